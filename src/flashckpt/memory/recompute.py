@@ -1,0 +1,240 @@
+"""Choose which blocks to recompute so activations fit a budget, at the least recompute time.
+
+Cost model (per-block activation checkpointing, as non-reentrant ``torch.utils.checkpoint``
+does it): with ``R`` the recomputed blocks, the peak activation memory is
+
+    sum(activation_bytes of blocks not in R) + sum(input_bytes of blocks in R)
+    + max(activation_bytes of blocks in R)
+
+(the last term: one recomputed block's activations are live while it is recomputed during
+backward), and the cost is ``sum(forward_s of R)`` (one extra forward per recomputed block).
+:func:`plan_recompute` minimises the cost subject to ``peak <= budget`` exactly: for each
+candidate largest recomputed block it solves a min-cost covering knapsack ("save at least D
+bytes") by dynamic programming over the Pareto frontier of (bytes saved, seconds spent).
+Baselines: every k-th block, and the per-block analogue of Chen et al. 2016's sqrt(n) rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.memory.profile import BlockProfile, ModelProfile
+from flashckpt.memory.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+_ORIGINAL_FORWARD = "_flashckpt_original_forward"
+
+
+class MemoryPlanError(FlashCkptError):
+    """No plan fits the memory budget; the message gives the smallest achievable peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputePlan:
+    """Blocks to recompute, the resulting peak activation bytes and the extra forward seconds."""
+
+    recompute: tuple[str, ...]
+    activation_bytes: int
+    recompute_s: float
+    budget_bytes: int | None = None
+    method: str = "dp"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Wrap each planned block's forward in non-reentrant ``torch.utils.checkpoint``.
+
+        Module names and ``state_dict`` keys do not change (the instance's ``forward`` is
+        patched); RNG state is restored for the recompute so dropout masks, and hence the
+        gradients, are identical to the plain model's. Blocks already wrapped are left alone.
+        """
+        modules = dict(model.named_modules())
+        missing = [n for n in self.recompute if n not in modules]
+        if missing:
+            raise ConfigError(f"plan names blocks the model lacks: {missing}")
+        for name in self.recompute:
+            wrap_block(modules[name])
+        return model
+
+    def remove(self, model: nn.Module) -> nn.Module:
+        """Undo :meth:`apply` for the planned blocks."""
+        modules = dict(model.named_modules())
+        for name in self.recompute:
+            if name in modules:
+                unwrap_block(modules[name])
+        return model
+
+    def describe(self) -> str:
+        names = ", ".join(self.recompute) if self.recompute else "(none)"
+        return (
+            f"{self.method}: recompute {len(self.recompute)} block(s) [{names}]; peak "
+            f"activations {format_bytes(self.activation_bytes)}; +{self.recompute_s:.4g} s/step"
+        )
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def wrap_block(module: nn.Module) -> None:
+    """Make ``module`` recompute its forward in backward (idempotent)."""
+    if _ORIGINAL_FORWARD in module.__dict__:
+        return
+    original = module.forward
+    module.__dict__[_ORIGINAL_FORWARD] = original
+    module.forward = functools.partial(_checkpointed, original)  # type: ignore[method-assign]
+
+
+def unwrap_block(module: nn.Module) -> None:
+    """Restore a block wrapped by :func:`wrap_block`."""
+    if _ORIGINAL_FORWARD in module.__dict__:
+        del module.__dict__[_ORIGINAL_FORWARD]
+        del module.__dict__["forward"]
+
+
+def evaluate_plan(
+    profile: ModelProfile, recompute: Iterable[str], *, method: str = "given"
+) -> RecomputePlan:
+    """Peak activation bytes and cost of recomputing the named blocks (the cost model above)."""
+    chosen = set(recompute)
+    unknown = chosen - set(profile.block_names)
+    if unknown:
+        raise ConfigError(f"unknown blocks {sorted(unknown)}; profile has {profile.block_names}")
+    blocks = [b for b in profile.blocks if b.name in chosen]
+    return RecomputePlan(
+        recompute=tuple(b.name for b in profile.blocks if b.name in chosen),
+        activation_bytes=_peak(profile.blocks, chosen) + profile.other_activation_bytes,
+        recompute_s=sum(b.forward_s for b in blocks),
+        method=method,
+    )
+
+
+def _peak(blocks: Sequence[BlockProfile], chosen: set[str]) -> int:
+    kept = sum(b.activation_bytes for b in blocks if b.name not in chosen)
+    inputs = sum(b.input_bytes for b in blocks if b.name in chosen)
+    live = max((b.activation_bytes for b in blocks if b.name in chosen), default=0)
+    return kept + inputs + live
+
+
+def _min_cost_cover(
+    items: Sequence[tuple[int, float, int]], need: int
+) -> tuple[float, int, tuple[int, ...]] | None:
+    """Cheapest subset of ``(saving, cost, index)`` items with total saving >= ``need``.
+
+    Exact DP over the Pareto frontier of (capped saving -> least cost); ties prefer fewer items.
+    Returns ``(cost, count, indices)`` or None when even all items together save too little.
+    """
+    frontier: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
+    for saving, cost, index in items:
+        if saving <= 0:
+            continue  # never helps: recomputing it costs time and saves nothing
+        for have, (c, k, chosen) in list(frontier.items()):
+            reach = min(need, have + saving)
+            candidate = (c + cost, k + 1, (*chosen, index))
+            if reach not in frontier or candidate[:2] < frontier[reach][:2]:
+                frontier[reach] = candidate
+        frontier = _prune(frontier)
+    return frontier.get(need)
+
+
+def _prune(frontier: dict[int, tuple[float, int, tuple[int, ...]]]) -> dict:
+    """Drop states that save less and cost no less than another state."""
+    kept: dict[int, tuple[float, int, tuple[int, ...]]] = {}
+    best: tuple[float, int] | None = None
+    for have in sorted(frontier, reverse=True):
+        entry = frontier[have]
+        if best is None or entry[:2] < best:
+            kept[have] = entry
+            best = entry[:2]
+    return kept
+
+
+def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
+    """The cheapest set of blocks to recompute so peak activation bytes <= ``budget_bytes``.
+
+    Exact (dynamic programming; see the module docstring). Raises :class:`MemoryPlanError`
+    when even recomputing every block cannot fit, naming the smallest achievable peak.
+    """
+    if budget_bytes < 0:
+        raise ConfigError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    blocks = list(profile.blocks)
+    budget = budget_bytes - profile.other_activation_bytes
+    base = sum(b.activation_bytes for b in blocks)
+    best: tuple[float, int, int, tuple[int, ...]] | None = None
+    if base <= budget:
+        best = (0.0, 0, base, ())
+    for live in sorted({b.activation_bytes for b in blocks}):
+        allowed = [
+            (b.activation_bytes - b.input_bytes, b.forward_s, i)
+            for i, b in enumerate(blocks)
+            if b.activation_bytes <= live
+        ]
+        need = base + live - budget
+        found = _min_cost_cover(allowed, max(need, 0)) if need <= _max_saving(allowed) else None
+        if found is None or not found[2]:
+            continue
+        chosen = {blocks[i].name for i in found[2]}
+        peak = _peak(blocks, chosen)
+        candidate = (found[0], found[1], peak, found[2])
+        if best is None or candidate[:3] < best[:3]:
+            best = candidate
+    if best is None:
+        floor = min_activation_bytes(profile)
+        raise MemoryPlanError(
+            f"no recompute plan fits {format_bytes(budget_bytes)} of activations: even "
+            f"recomputing all {len(blocks)} blocks needs {format_bytes(floor)}; lower the batch "
+            "size or sequence length, shard more (ZeRO-3/tensor parallel) or use a larger GPU"
+        )
+    plan = evaluate_plan(profile, (blocks[i].name for i in best[3]), method="dp")
+    return RecomputePlan(
+        recompute=plan.recompute,
+        activation_bytes=plan.activation_bytes,
+        recompute_s=plan.recompute_s,
+        budget_bytes=budget_bytes,
+        method="dp",
+    )
+
+
+def _max_saving(items: Sequence[tuple[int, float, int]]) -> int:
+    return sum(saving for saving, _, _ in items if saving > 0)
+
+
+def min_activation_bytes(profile: ModelProfile) -> int:
+    """The smallest peak any plan reaches (recomputing exactly the blocks that save memory)."""
+    best = profile.activation_bytes
+    for live in {b.activation_bytes for b in profile.blocks}:
+        chosen = {
+            b.name
+            for b in profile.blocks
+            if b.activation_bytes <= live and b.activation_bytes > b.input_bytes
+        }
+        if chosen:
+            peak = _peak(profile.blocks, chosen) + profile.other_activation_bytes
+            best = min(best, peak)
+    return best
+
+
+def every_k_plan(profile: ModelProfile, *, k: int = 2) -> RecomputePlan:
+    """Baseline: recompute every k-th block (blocks 0, k, 2k, ...), as ``ac_freq=k`` does."""
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    names = [b.name for i, b in enumerate(profile.blocks) if i % k == 0]
+    return evaluate_plan(profile, names, method=f"every-{k}")
+
+
+def sqrt_plan(profile: ModelProfile) -> RecomputePlan:
+    """Baseline after Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"):
+    keep about sqrt(n) evenly spaced blocks' activations, recompute the others."""
+    n = len(profile.blocks)
+    keep = max(1, math.isqrt(n))
+    kept = {round(i * n / keep) for i in range(keep)} if n else set()
+    names = [b.name for i, b in enumerate(profile.blocks) if i not in kept]
+    return evaluate_plan(profile, names, method="sqrt(n)")

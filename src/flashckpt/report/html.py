@@ -130,7 +130,7 @@ def _cards(s: RunSummary) -> str:
                 _card(
                     "crashes",
                     str(s.crashes),
-                    f"{s.steps_lost} steps lost · {s.restores} restores",
+                    f"{s.steps_lost} steps lost · {s.restores} restore(s)",
                     "bad" if s.crashes else "",
                 ),
                 _card(

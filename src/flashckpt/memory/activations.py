@@ -18,9 +18,10 @@ full recompute keeps only each layer's input, ``2*s*b*h`` (section 5).
 
 This module generalises the inventory to grouped-query attention (K and V are
 ``kv_heads*head_dim`` wide), SwiGLU MLPs (gate output, SiLU output, up output and the product:
-``8*s*b*f`` bytes), FlashAttention (no ``s^2`` terms; the kernel saves its output ``2sbh`` and a
-float32 log-sum-exp per head and token, Dao et al. 2022), norm statistics (float32 mean/rstd per
-token) and an fp32 residual stream (PyTorch autocast keeps residual adds and norm inputs in fp32).
+``8*s*b*f`` bytes), FlashAttention (no ``s^2`` terms; the kernel saves a
+float32 log-sum-exp per head and token, Dao et al. 2022; the kernel's output, laid out as
+(b, s, heads, d), is the output projection's input, so it is not counted twice), rotary
+cos/sin tables (``4*s*d`` elements when built per layer), norm statistics (float32 per token) and an fp32 residual stream (PyTorch autocast keeps residual adds and norm inputs in fp32).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def layer_activation_bytes(
     # Tensor-parallel region: Q, K, V, attention core, output-projection input, MLP internals.
     parallel = act * n * (h + 2 * hk) + act * n * h
     parallel += (2 if shape.mlp == "gelu" else 4) * act * n * f
+    if shape.positions == "rope":
+        parallel += 4 * act * s * shape.head_dim  # cos and sin, saved by the Q and K rotations
     if opts.flash_attention:
-        parallel += act * n * h + 4 * n * a  # kernel output + fp32 log-sum-exp
+        parallel += 4 * n * a  # fp32 log-sum-exp; the saved output is the out-projection input
     elif not opts.selective_recompute:
         scores = a * s * s * b
         parallel += act * scores + ((1 + act) * scores if opts.dropout else 0)

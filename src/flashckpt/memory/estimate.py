@@ -286,7 +286,10 @@ def estimate(model_or_shape: Any, **options: Any) -> MemoryEstimate:
         # FSDP/ZeRO-3 gathers one layer's 16-bit parameters and prefetches the next.
         workspace += 2 * _PRECISION_BYTES[opts.precision][0] * shape.layer_params
     static = states["params"] + states["master_weights"] + states["optimizer"]
-    allocated = workspace + static + max(activations + logits, states["grads"])
+    # A recomputed layer's activations are live during backward, after the logits are freed.
+    live = per_layer if k else 0
+    forward_backward = max(activations - live + logits, activations)
+    allocated = workspace + static + max(forward_backward, states["grads"])
     breakdown = dict(states)
     breakdown |= {"activations": activations, "logits": logits}
     breakdown["workspace"] = workspace + CUDA_CONTEXT_BYTES

@@ -3,7 +3,8 @@
 Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) see every tensor autograd
 keeps for backward, on any device including ``meta``; module hooks say which block is running.
 Tensors are counted once per storage, at their storage's size; parameters and buffers are not
-activations and are skipped.
+activations and are skipped. Nothing is kept for backward while profiling, so a profile run
+needs only the forward's transient memory.
 """
 
 from __future__ import annotations
@@ -108,17 +109,25 @@ class _Recorder:
         self.start_s = dict.fromkeys(names, 0.0)
         self.times = dict.fromkeys(names, 0.0)
         self.other = 0
+        self.keep: list[torch.Tensor] = []
         self.sync: Callable[[], None] = lambda: None
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        # Return nothing: the graph is never run backward, and returning ``t`` itself for a
+        # saved output ties it to its own grad_fn in a reference cycle that leaks the graph.
+        # Storages are held (in ``keep``) until the forward ends, so addresses are not reused.
         key = _storage_key(t)
         if key not in self.skip and key not in self.seen:
             self.seen.add(key)
+            self.keep.append(t.detach())
             if self.current is None:
                 self.other += key[1]
             else:
                 self.saved[self.current] += key[1]
-        return t
+
+    @staticmethod
+    def unpack(_packed: None) -> torch.Tensor:
+        raise ConfigError("the graph built by memory.profile() cannot be run backward")
 
     def pre_hook(self, name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -168,7 +177,7 @@ def profile(
             h2 = mod.register_forward_hook(rec.post_hook(name), with_kwargs=True)
             stack.callback(h1.remove)
             stack.callback(h2.remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack))
         stack.enter_context(torch.enable_grad())
         out = model(*sample_inputs, **sample_kwargs)
         if loss_fn is not None:
@@ -176,6 +185,7 @@ def profile(
         rec.sync()
     total_s = time.perf_counter() - start_s
     del out
+    rec.keep.clear()
     on_meta = device.type == "meta"
     return ModelProfile(
         blocks=[

@@ -21,7 +21,9 @@ This module generalises the inventory to grouped-query attention (K and V are
 ``8*s*b*f`` bytes), FlashAttention (no ``s^2`` terms; the kernel saves a
 float32 log-sum-exp per head and token, Dao et al. 2022; the kernel's output, laid out as
 (b, s, heads, d), is the output projection's input, so it is not counted twice), rotary
-cos/sin tables (``4*s*d`` elements when built per layer), norm statistics (float32 per token) and an fp32 residual stream (PyTorch autocast keeps residual adds and norm inputs in fp32).
+cos/sin tables (``4*s*d`` elements when built per layer), norm statistics (float32 per
+token) and an fp32 residual stream (PyTorch autocast keeps residual adds and norm inputs in
+fp32).
 """
 
 from __future__ import annotations

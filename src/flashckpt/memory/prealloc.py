@@ -109,7 +109,10 @@ def apply_allocator_settings(
         os.environ[ALLOC_CONF_ENV] = conf
         actions.append(f"set {ALLOC_CONF_ENV}={conf} (CUDA not yet initialised)")
     else:
-        torch.cuda.memory._set_allocator_settings(conf)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:  # PyTorch before the accelerator API
+            setter = torch.cuda.memory._set_allocator_settings
+        setter(conf)
         actions.append(f"CUDA already initialised: applied {conf} to new segments")
     if settings.memory_fraction is not None:
         if live:

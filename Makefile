@@ -1,0 +1,41 @@
+# The README's commands. Each target builds its own virtual environment (.venv) on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch==2.13.0 is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: demo test test-slow lint typecheck bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]' $(TORCH)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/flashckpt demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(BIN)/flashckpt bench
+
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,59 @@
+"""The ``flashckpt`` command line: one module per command group.
+
+Each command module exposes ``register(subparsers)``, which adds its parser(s) and sets
+``func=<callable(args) -> int>`` as the parser default. Exit codes: 0 ok, 1 a check failed
+(e.g. ``verify`` found damage), 2 bad usage or a flashckpt error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from flashckpt.errors import FlashCkptError
+
+# Command modules, in the order ``--help`` lists them.
+COMMAND_MODULES = ("store_cmds", "report", "status", "plan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flashckpt import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="flashckpt",
+        description="Fast, safe, incremental checkpoints and GPU memory planning for PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"flashckpt {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"flashckpt.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        pkg_log = logging.getLogger("flashckpt")
+        pkg_log.addHandler(handler)
+        pkg_log.setLevel(logging.INFO)
+    try:
+        return int(args.func(args) or 0)
+    except FlashCkptError as exc:
+        print(f"flashckpt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""``flashckpt export``: a checkpoint as a plain state_dict file other tools load."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashckpt.errors import ConfigError
+from flashckpt.store.manifest import Manifest
+from flashckpt.store.store import CheckpointStore
+
+FORMATS = ("safetensors", "torch")
+
+
+def register_export(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a step as a plain state_dict (safetensors or torch.save), sharded steps merged",
+    )
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("out", metavar="OUT", help="output file")
+    p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
+    p.add_argument("--format", choices=FORMATS, default="safetensors")
+    p.add_argument(
+        "--prefix",
+        default=None,
+        help="export only keys under this state entry (e.g. model), with the prefix "
+        "removed, so the file loads with model.load_state_dict",
+    )
+    p.set_defaults(func=cmd_export)
+
+
+def full_tensors(
+    store: CheckpointStore, manifest: Manifest, prefix: str | None
+) -> dict[str, torch.Tensor]:
+    """Every torch tensor of a checkpoint, full (shards merged), on CPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashckpt.engine.reader import read_plan
+    from flashckpt.state.restore import RestorePlan, Target
+
+    plan = RestorePlan(state={}, trees={})
+    for key, e in manifest.tensors.items():
+        if e.kind != "torch" or (prefix and not key.startswith(prefix + "/")):
+            continue
+        plan.targets[key] = Target(
+            entry=e, dest=None, offset=(0,) * len(e.global_shape), shape=e.global_shape
+        )
+    with ThreadPoolExecutor(4) as ex:
+        loaded = read_plan(store, manifest, plan, ex)
+    if prefix:
+        return {k[len(prefix) + 1 :]: v for k, v in loaded.items()}
+    return dict(loaded)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flashckpt.cli.store_cmds import open_store, pick_step
+
+    store = open_store(args.root)
+    step = pick_step(store, args.step)
+    tensors = full_tensors(store, store.load_manifest(step), args.prefix)
+    if not tensors:
+        raise ConfigError(f"step {step} has no tensors under prefix {args.prefix!r}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.format == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise ConfigError(
+                "export --format safetensors needs: pip install 'flashckpt[safetensors]'"
+            ) from exc
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(step)}
+        )
+    else:
+        torch.save(tensors, out)
+    print(f"exported step {step}: {len(tensors)} tensors -> {out} ({args.format})")
+    return 0

@@ -1,0 +1,225 @@
+"""Store commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``diff``, ``export``.
+
+All of them read a checkpoint root without the writer lock except ``gc``, which takes it so it
+can never race a running save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flashckpt.cli.progress import Progress
+from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError
+from flashckpt.store.backend import LocalBackend
+from flashckpt.store.gc import collect_garbage
+from flashckpt.store.lock import WriterLock
+from flashckpt.store.manifest import Manifest
+from flashckpt.store.store import CheckpointStore
+from flashckpt.store.verify import verify_step
+from flashckpt.units import format_bytes
+
+
+def open_store(root: str) -> CheckpointStore:
+    p = Path(root).expanduser()
+    if not (p / "steps").is_dir():
+        raise ConfigError(f"{root} is not a flashckpt checkpoint root (no steps/ directory)")
+    return CheckpointStore(LocalBackend(p, create=False))
+
+
+def pick_step(store: CheckpointStore, step: int | None) -> int:
+    steps = store.steps()
+    if not steps:
+        raise NoCheckpointError(f"{store.url} holds no checkpoint")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise NoCheckpointError(f"step {step} is not in {store.url}; steps: {steps}")
+    return step
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("ls", help="list checkpoints: step, time, size, new and reused bytes")
+    p.add_argument("root", metavar="ROOT")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="show tensors, dtypes, shapes and non-tensor state")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--step", type=int, default=None, help="step to inspect (default: newest)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="re-hash every chunk; exit 1 on damage")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--step", type=int, default=None, help="verify one step (default: all)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="delete chunks no checkpoint references")
+    p.add_argument("root", metavar="ROOT")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("diff", help="which tensors changed between two steps, and by how much")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("a", type=int, metavar="A")
+    p.add_argument("b", type=int, metavar="B")
+    p.set_defaults(func=cmd_diff)
+
+    from flashckpt.cli.export import register_export
+
+    register_export(sub)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_store(args.root)
+    rows = [("step", "time", "tensors", "size", "new", "reused")]
+    for step in store.steps():
+        try:
+            m = store.load_manifest(step)
+        except FlashCkptError as exc:
+            rows.append((str(step), "DAMAGED", "-", "-", "-", str(exc)[:40]))
+            continue
+        st = m.stats
+        rows.append(
+            (
+                str(step),
+                dt.datetime.fromtimestamp(m.time_s).strftime("%Y-%m-%d %H:%M:%S"),
+                str(len(m.tensors)),
+                format_bytes(m.total_bytes),
+                format_bytes(st.get("new_bytes", 0)),
+                format_bytes(st.get("reused_bytes", 0)),
+            )
+        )
+    if len(rows) == 1:
+        print(f"{args.root}: no checkpoints")
+        return 0
+    _table(rows)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = open_store(args.root)
+    step = pick_step(store, args.step)
+    m = store.load_manifest(step)
+    print(
+        f"step {m.step} · world size {m.world_size} · {len(m.tensors)} tensors · "
+        f"{format_bytes(m.total_bytes)} · {len(m.chunks)} chunks · flashckpt {m.library}"
+    )
+    rows = [("key", "dtype", "shape", "size", "shards")]
+    for key, e in sorted(m.tensors.items()):
+        rows.append(
+            (
+                key,
+                e.dtype,
+                "x".join(map(str, e.global_shape)) or "scalar",
+                format_bytes(e.nbytes),
+                str(len(e.shards)),
+            )
+        )
+    _table(rows)
+    print("\nnon-tensor state:")
+    for name, tree in m.tree.items():
+        print(f"  {name}: {_summarize_tree(tree)}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = open_store(args.root)
+    steps = [pick_step(store, args.step)] if args.step is not None else store.steps()
+    checked: dict[str, str | None] = {}
+    bad = 0
+    with Progress(total=len(steps), label="verify") as bar:
+        for step in steps:
+            rep = verify_step(store, step, checked=checked)
+            bar.advance(1)
+            if rep.ok:
+                bar.note(f"step {step}: ok ({rep.chunks} chunks, {format_bytes(rep.bytes)})")
+            else:
+                bad += 1
+                for prob in rep.problems:
+                    bar.note(f"DAMAGED {prob}")
+    print(
+        f"{len(steps) - bad} of {len(steps)} checkpoints ok" + (f", {bad} damaged" if bad else "")
+    )
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = open_store(args.root)
+    lock = WriterLock(store.url)
+    lock.acquire()
+    try:
+        res = collect_garbage(store)
+    finally:
+        lock.release()
+    print(f"deleted {res.chunks_deleted} unreferenced chunks ({format_bytes(res.bytes_deleted)})")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    store = open_store(args.root)
+    ma, mb = (
+        store.load_manifest(pick_step(store, args.a)),
+        store.load_manifest(pick_step(store, args.b)),
+    )
+    rows = [("key", "change", "bytes changed")]
+    for key in sorted(set(ma.tensors) | set(mb.tensors)):
+        if key not in ma.tensors or key not in mb.tensors:
+            rows.append((key, "added" if key in mb.tensors else "removed", "-"))
+            continue
+        changed, total = _changed_bytes(ma, mb, key)
+        if changed:
+            rows.append(
+                (key, f"{changed / total:.1%}" if total else "shape", format_bytes(changed))
+            )
+    if len(rows) == 1:
+        print(f"steps {args.a} and {args.b} hold identical tensors")
+        return 0
+    _table(rows)
+    print(f"{len(rows) - 1} of {len(set(ma.tensors) | set(mb.tensors))} tensors differ")
+    return 0
+
+
+def _changed_bytes(ma: Manifest, mb: Manifest, key: str) -> tuple[int, int]:
+    """Bytes of ``key`` whose chunk differs (chunk granularity, no data read)."""
+    ea, eb = ma.tensors[key], mb.tensors[key]
+    if ea.global_shape != eb.global_shape or ea.dtype != eb.dtype:
+        return ea.nbytes or 1, 0
+
+    def spans(m: Manifest, e: Any) -> list[tuple[str, int, int]]:
+        return [(m.chunks[x.chunk].hash, x.offset, x.length) for s in e.shards for x in s.extents]
+
+    sa, sb = spans(ma, ea), spans(mb, eb)
+    if len(sa) != len(sb):
+        return ea.nbytes, ea.nbytes
+    changed = sum(x[2] for x, y in zip(sa, sb) if x[0] != y[0])
+    return changed, ea.nbytes
+
+
+def _summarize_tree(tree: Any, depth: int = 0) -> str:
+    if isinstance(tree, dict):
+        if len(tree) == 1 and next(iter(tree)) in ("__t__", "__np__"):
+            return "<tensor>"
+        if depth >= 1:
+            return "{" + f"{len(tree)} keys" + "}"
+        return (
+            "{"
+            + ", ".join(f"{k}: {_summarize_tree(v, depth + 1)}" for k, v in list(tree.items())[:8])
+            + (", ..." if len(tree) > 8 else "")
+            + "}"
+        )
+    if isinstance(tree, list):
+        return f"[{len(tree)} items]"
+    text = repr(tree)
+    return text if len(text) < 40 else text[:37] + "..."
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+    sys.stdout.flush()

@@ -1,0 +1,403 @@
+"""The Checkpointer: the public face of saving and restoring."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashckpt.engine.fingerprint import Fingerprinter
+from flashckpt.engine.handle import SaveHandle, SaveStats
+from flashckpt.engine.hooks import StepGate, find_optimizers, protected_pointers
+from flashckpt.engine.layout import plan_chunks
+from flashckpt.engine.meter import RunMeter
+from flashckpt.engine.options import Options
+from flashckpt.engine.reader import read_plan
+from flashckpt.engine.save import Committer, SaveContext, SaveJob
+from flashckpt.engine.staging import StagingPool
+from flashckpt.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    FlashCkptError,
+    NoCheckpointError,
+    SaveError,
+)
+from flashckpt.journal import JOURNAL_NAME, Journal, read_events
+from flashckpt.policy.retention import RetentionPolicy, as_retention
+from flashckpt.policy.save import SavePolicy, as_save_policy
+from flashckpt.state.capture import Captured, capture
+from flashckpt.state.restore import plan_restore
+from flashckpt.store.backend import LocalBackend
+from flashckpt.store.dtypes import itemsize
+from flashckpt.store.gc import apply_retention, collect_garbage
+from flashckpt.store.lock import WriterLock
+from flashckpt.store.store import CheckpointStore
+
+log = logging.getLogger(__name__)
+MARKER = "locks/running.json"
+
+
+class Checkpointer:
+    """Save and restore training state; see the README for the whole story.
+
+    ``save(step, state)`` returns a :class:`SaveHandle` (``staged`` and ``durable`` futures).
+    With ``async_save=True`` it returns once the state is protected: at once when the state
+    holds an optimizer (staging then overlaps forward/backward and the optimizer's next
+    ``step()`` waits for it), otherwise when staged. ``restore(state)`` loads the newest valid
+    checkpoint in place and returns its step (None when there is none).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        async_save: bool = False,
+        incremental: bool = True,
+        compression: str | None = None,
+        keep: RetentionPolicy | int | None = None,
+        host_memory_budget: int | str = "4GiB",
+        chunk_size: int | str = "32MiB",
+        persist_workers: int = 0,
+        on_busy: str = "wait",
+        overlap: bool = True,
+        fsync: bool = True,
+        save_policy: SavePolicy | int | None = None,
+    ) -> None:
+        self.options = Options.build(
+            host_memory_budget=host_memory_budget,
+            chunk_size=chunk_size,
+            async_save=async_save,
+            incremental=incremental,
+            compression=compression,
+            persist_workers=persist_workers,
+            on_busy=on_busy,
+            overlap=overlap,
+            fsync=fsync,
+        )
+        self.keep = as_retention(keep)
+        self.root = Path(root).expanduser().absolute()
+        self.rank, self.world_size = 0, 1
+        self.store = CheckpointStore(LocalBackend(self.root, fsync=fsync))
+        self._lock = WriterLock(self.root)
+        self._lock.acquire()
+        self.journal = Journal(self.root / JOURNAL_NAME)
+        self._committer: Committer = self._commit_local
+        self._pool = StagingPool(
+            budget_bytes=self.options.host_memory_budget_bytes, slot_bytes=self.options.chunk_bytes
+        )
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
+        self._workers = ThreadPoolExecutor(
+            self.options.workers, thread_name_prefix="flashckpt-persist"
+        )
+        self._fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
+        self._fingerprinter = Fingerprinter() if incremental else None
+        self._gate = StepGate(self._wait_staged)
+        self._current: SaveHandle | None = None
+        self._current_job: SaveJob | None = None
+        self._error: BaseException | None = None
+        self._mutex = threading.Lock()
+        self._closed = False
+        self.last_step: int | None = None
+        self.save_policy = as_save_policy(save_policy)
+        self._meter = RunMeter()
+        self._start_run()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _start_run(self) -> None:
+        marker = self.root / MARKER
+        if marker.exists():
+            steps = self.store.steps()
+            self.journal.append(
+                "crash_detected",
+                last_step=steps[-1] if steps else None,
+                since_t=marker.stat().st_mtime,
+            )
+        self.journal.append("run_start", clean_previous=not marker.exists())
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f'{{"pid": {os.getpid()}, "t": {time.time()}}}')
+        observe = getattr(self.save_policy, "observe_history", None)
+        if observe is not None:
+            observe(read_events(self.root / JOURNAL_NAME))
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait until the last save is durable, release everything, raise a pending error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait_current()
+        finally:
+            self._gate.remove()
+            self._stager.shutdown(wait=True)
+            self._workers.shutdown(wait=True)
+            self.journal.append("run_end", step=self.last_step)
+            (self.root / MARKER).unlink(missing_ok=True)
+            self._lock.release()
+        self._raise_pending()
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is durable; raise its error."""
+        self._wait_current()
+        self._raise_pending()
+
+    # -- queries --------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return self.store.steps()
+
+    def should_save(self, step: int) -> bool:
+        """Call once per training step with the step just completed: True when the save policy
+        (``save_policy=``) says this step should be saved. Measures step time as it goes."""
+        if self.save_policy is None:
+            raise ConfigError(
+                "should_save() needs a save policy: Checkpointer(..., save_policy=100) saves every "
+                "100 steps; flashckpt.policy.Auto(mtbf_s=...) picks the interval from measurements"
+            )
+        now = time.time()
+        step_time = self._meter.tick(step, now)
+        if step_time is not None and self._meter.journal_due():
+            self.journal.append("step_time", step=step, seconds=step_time)
+        decision = self.save_policy.should_save(self._meter.stats(step, now))
+        info = self.save_policy.take_decision()
+        if info:
+            self.journal.append("interval", **info)
+        return decision
+
+    # -- save -----------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        t0 = time.perf_counter()
+        self._raise_pending()
+        if self._current is not None and not self._current.done():
+            if self.options.on_busy == "skip":
+                return self._skipped(step)
+            self._wait_current()
+            self._raise_pending()
+        captured = capture(state)
+        optimizers = find_optimizers(state) if self.options.async_save else []
+        if optimizers and self.options.overlap:
+            _copy_unprotected(captured, protected_pointers(optimizers))
+        handle = SaveHandle(step=step, stats=SaveStats(step=step))
+        self._meter.saved(step, time.time())
+        job = self._job(handle, captured)
+        self.journal.append("save_start", step=step)
+        if self.options.async_save:
+            self._run_async(job, handle, wait_staged=not (optimizers and self.options.overlap))
+            self._gate.install(optimizers)
+        else:
+            job.run()
+        handle.add_blocking(time.perf_counter() - t0)
+        self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
+        if not self.options.async_save:
+            self._finish(handle)
+            handle.durable.result()
+        return handle
+
+    def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
+        o = self.options
+        items = captured.items
+        sizes = [itemsize(i.kind, i.dtype) for i in items]
+        chunks = plan_chunks(
+            items,
+            chunk_bytes=o.chunk_bytes,
+            pack_bytes=min(o.pack_bytes, o.chunk_bytes),
+            pack_threshold_bytes=min(o.pack_threshold_bytes, o.chunk_bytes),
+            itemsizes=sizes,
+        )
+        on_device = any(c.device != "cpu" for c in chunks)
+        use_pool = o.async_save or on_device
+        if use_pool:
+            self._pool.reserve(
+                needed_bytes=captured.nbytes, pin=on_device and torch.cuda.is_available()
+            )
+        event = None
+        if on_device:
+            event = torch.cuda.Event()
+            event.record()
+        ctx = SaveContext(
+            store=self.store,
+            pool=self._pool if use_pool else None,
+            workers=self._workers,
+            compression=o.compression,
+            incremental=o.incremental,
+            fingerprinter=self._fingerprinter if on_device else None,
+            fingerprints=self._fingerprints,
+            library=_version(),
+            rank=self.rank,
+            world_size=self.world_size,
+            cuda_event=event,
+        )
+        return SaveJob(
+            ctx=ctx, handle=handle, captured=captured, chunks=chunks, committer=self._committer
+        )
+
+    def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
+        with self._mutex:
+            self._current, self._current_job = handle, job
+        handle.durable.add_done_callback(lambda _f: self._finish(handle))
+        self._stager.submit(job.run)
+        if wait_staged:
+            try:
+                handle.staged.result()
+            except BaseException:
+                pass
+
+    def _skipped(self, step: int) -> SaveHandle:
+        handle = SaveHandle(step=step, stats=SaveStats(step=step), skipped=True)
+        self.journal.append("save_skipped", step=step, reason="previous save still persisting")
+        handle.staged.set_result(handle.stats)
+        handle.durable.set_result(handle.stats)
+        return handle
+
+    def _finish(self, handle: SaveHandle) -> None:
+        """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping."""
+        exc = handle.durable.exception()
+        if exc is not None:
+            err = (
+                exc
+                if isinstance(exc, FlashCkptError)
+                else SaveError(f"checkpoint step {handle.step} failed: {exc}")
+            )
+            if err is not exc:
+                err.__cause__ = exc
+            with self._mutex:
+                self._error = self._error or err
+            self.journal.append("save_failed", step=handle.step, error=str(exc))
+            log.error("checkpoint step %d failed: %s", handle.step, exc)
+            return
+        s = handle.stats
+        self.last_step = handle.step
+        self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s)
+        self.journal.append(
+            "durable",
+            step=s.step,
+            tier="local",
+            background_s=s.background_s,
+            total_bytes=s.total_bytes,
+            new_bytes=s.new_bytes,
+            reused_bytes=s.reused_bytes,
+            chunks_new=s.chunks_new,
+            chunks_reused=s.chunks_reused,
+            throughput_Bps=s.new_bytes / s.background_s if s.background_s else 0.0,
+        )
+        try:
+            self._retain()
+        except FlashCkptError as exc:
+            log.warning("retention after step %d failed: %s", handle.step, exc)
+
+    def _retain(self) -> None:
+        deleted = apply_retention(self.store, self.keep)
+        if deleted:
+            pinned = self._current_job.pinned_hashes if self._current_job else set()
+            res = collect_garbage(self.store, pinned=pinned)
+            self.journal.append(
+                "gc",
+                steps_deleted=list(deleted),
+                chunks_deleted=res.chunks_deleted,
+                bytes_deleted=res.bytes_deleted,
+            )
+
+    def _commit_local(self, manifest: Any, chunk_dirs: list[str]) -> None:
+        self.store.commit(manifest, chunk_dirs=chunk_dirs)
+
+    def _wait_staged(self) -> None:
+        handle = self._current
+        if handle is None or handle.staged.done():
+            return
+        t0 = time.perf_counter()
+        try:
+            handle.staged.result()
+        except BaseException:
+            pass
+        handle.add_blocking(time.perf_counter() - t0)
+
+    def _wait_current(self) -> None:
+        handle = self._current
+        if handle is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            handle.durable.result()
+        except BaseException:
+            pass
+        handle.add_blocking(time.perf_counter() - t0) if not handle.staged.done() else None
+
+    def _raise_pending(self) -> None:
+        with self._mutex:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FlashCkptError("this Checkpointer is closed; create a new one")
+
+    # -- restore --------------------------------------------------------------------------
+    def restore(
+        self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True
+    ) -> int | None:
+        """Load the newest valid checkpoint (or ``step``) into ``state`` in place.
+
+        Returns the step loaded, or None when there is no checkpoint. A damaged checkpoint is
+        skipped with a warning and a journal entry when ``step`` is None; with an explicit
+        ``step`` it raises :class:`CorruptCheckpointError` naming the key and chunk.
+        """
+        self._check_open()
+        self._wait_current()
+        if step is not None:
+            self._restore_step(state, step, strict)
+            return step
+        for candidate in reversed(self.steps()):
+            try:
+                self._restore_step(state, candidate, strict)
+                return candidate
+            except CorruptCheckpointError as exc:
+                warnings.warn(f"skipping damaged checkpoint step {candidate}: {exc}", stacklevel=2)
+                self.journal.append("corrupt", step=candidate, tier="local", error=str(exc))
+        return None
+
+    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            manifest = self.store.load_manifest(step)
+        except NoCheckpointError:
+            raise
+        plan = plan_restore(state, manifest, strict=strict, rank=self.rank)
+        with ThreadPoolExecutor(self.options.readers, thread_name_prefix="flashckpt-read") as ex:
+            loaded = read_plan(self.store, manifest, plan, ex)
+        plan.finish(loaded)
+        self.last_step = step
+        self._meter.saved(step, time.time())
+        self.journal.append(
+            "restore", step=step, tier="local", seconds=time.perf_counter() - t0, bytes=plan.nbytes
+        )
+
+
+def _copy_unprotected(captured: Captured, protected: set[int]) -> None:
+    """Copy now what training may change before the next optimizer step (buffers etc.)."""
+    for item in captured.items:
+        if item.kind == "numpy" or item.data.data_ptr() not in protected:
+            item.data = item.data.clone()
+
+
+def _version() -> str:
+    from flashckpt import __version__
+
+    return __version__

@@ -1,0 +1,65 @@
+"""Chunk layout: which bytes of which tensors go into which chunk.
+
+Large tensors are cut at fixed offsets (multiples of ``chunk_bytes``) so an unchanged region maps
+to the same chunk from save to save. Tensors smaller than ``pack_threshold_bytes`` are packed
+together in key order into chunks of at most ``pack_bytes``, so ten thousand biases become a
+handful of files. Chunks never mix devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashckpt.state.capture import TensorItem
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    item: int  # index into the save's items
+    start: int  # byte offset inside the item's data
+    length: int
+
+
+@dataclass(kw_only=True)
+class ChunkPlan:
+    pieces: list[Piece] = field(default_factory=list)
+    size: int = 0
+    device: str = "cpu"
+    itemsize: int = 1  # element size when the chunk holds one dtype (for byte shuffling)
+
+
+def plan_chunks(
+    items: list[TensorItem],
+    *,
+    chunk_bytes: int,
+    pack_bytes: int,
+    pack_threshold_bytes: int,
+    itemsizes: list[int],
+) -> list[ChunkPlan]:
+    chunks: list[ChunkPlan] = []
+    packs: dict[str, ChunkPlan] = {}
+    for idx, item in enumerate(items):
+        n = item.nbytes
+        dev = str(item.data.device)
+        if n < pack_threshold_bytes:
+            pack = packs.get(dev)
+            if pack is None or pack.size + n > pack_bytes:
+                pack = ChunkPlan(device=dev, itemsize=itemsizes[idx])
+                packs[dev] = pack
+                chunks.append(pack)
+            if pack.itemsize != itemsizes[idx]:
+                pack.itemsize = 1
+            pack.pieces.append(Piece(item=idx, start=0, length=n))
+            pack.size += n
+            continue
+        for start in range(0, n, chunk_bytes):
+            length = min(chunk_bytes, n - start)
+            chunks.append(
+                ChunkPlan(
+                    pieces=[Piece(item=idx, start=start, length=length)],
+                    size=length,
+                    device=dev,
+                    itemsize=itemsizes[idx],
+                )
+            )
+    return chunks

@@ -1,0 +1,65 @@
+"""Checkpointer options, validated once with messages that say what to do."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from flashckpt.errors import ConfigError
+from flashckpt.units import parse_bytes
+
+ON_BUSY = ("wait", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    async_save: bool = False
+    incremental: bool = True
+    compression: str | None = None
+    host_memory_budget_bytes: int = 4 << 30
+    chunk_bytes: int = 32 << 20
+    pack_bytes: int = 4 << 20
+    pack_threshold_bytes: int = 1 << 20
+    persist_workers: int = 0  # 0: choose from the CPU count
+    read_workers: int = 0
+    on_busy: str = "wait"
+    overlap: bool = True
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("async_save", "incremental", "overlap", "fsync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compression not in (None, "zstd"):
+            raise ConfigError(f"compression={self.compression!r}: use None or 'zstd'")
+        if self.on_busy not in ON_BUSY:
+            raise ConfigError(f"on_busy={self.on_busy!r}: use one of {ON_BUSY}")
+        if self.chunk_bytes < 4096:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes} is too small; use at least 4KiB")
+        if self.host_memory_budget_bytes < 1 << 20:
+            raise ConfigError("host_memory_budget must be at least 1MiB")
+        for name in ("persist_workers", "read_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an int >= 0 (0 = automatic), got {v!r}")
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        host_memory_budget: int | str,
+        chunk_size: int | str,
+        **kw: object,
+    ) -> Options:
+        budget = parse_bytes(host_memory_budget, name="host_memory_budget")
+        chunk = parse_bytes(chunk_size, name="chunk_size")
+        chunk = min(chunk, max(budget, 1))  # a staging slot must fit the budget
+        return cls(host_memory_budget_bytes=budget, chunk_bytes=chunk, **kw)  # type: ignore[arg-type]
+
+    @property
+    def workers(self) -> int:
+        return self.persist_workers or max(2, min(8, (os.cpu_count() or 2) * 2))
+
+    @property
+    def readers(self) -> int:
+        return self.read_workers or max(2, min(8, (os.cpu_count() or 2) * 2))

@@ -1,0 +1,208 @@
+"""Restore reads: fetch verified chunks in parallel and scatter them into target tensors.
+
+Each chunk is read and verified once, however many tensors it holds (a use count frees it as
+soon as its last tensor has it). A raw chunk that is exactly one contiguous piece of a CPU
+target is read straight into the target's memory and verified there. A target shard covering a
+different box than a saved shard (resharding) reads only the byte span of the saved shard that
+contains the overlap, then copies the box.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashckpt.state.restore import RestorePlan, Target
+from flashckpt.store.dtypes import numpy_dtype, torch_dtype
+from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard
+from flashckpt.store.store import CheckpointStore
+
+
+class _ChunkCache:
+    """Read-once cache with use counts: a chunk is dropped after its last use."""
+
+    def __init__(self, store: CheckpointStore, step: int) -> None:
+        self.store = store
+        self.step = step
+        self._futs: dict[str, Future[torch.Tensor]] = {}
+        self._uses: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, h: str) -> None:
+        self._uses[h] = self._uses.get(h, 0) + 1
+
+    def get(self, ref: ChunkRef, key: str) -> torch.Tensor:
+        """The chunk's verified bytes as a uint8 tensor; counts one use."""
+        with self._lock:
+            fut = self._futs.get(ref.hash)
+            owner = fut is None
+            if fut is None:
+                fut = self._futs[ref.hash] = Future()
+        if owner:
+            try:
+                raw = self.store.read_chunk(ref, step=self.step, key=key)
+                fut.set_result(
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    if raw
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+            except BaseException as exc:
+                fut.set_exception(exc)
+        try:
+            return fut.result()
+        finally:
+            self.release(ref.hash)
+
+    def release(self, h: str) -> None:
+        """Count one use of ``h`` that did not need its bytes."""
+        with self._lock:
+            self._uses[h] = self._uses.get(h, 1) - 1
+            if self._uses[h] <= 0:
+                self._futs.pop(h, None)
+
+
+@dataclass(kw_only=True)
+class _Task:
+    target: Target
+    shard: Shard
+    dest: torch.Tensor  # typed, CPU or device, of target.shape
+
+
+def read_plan(
+    store: CheckpointStore, manifest: Manifest, plan: RestorePlan, workers: Executor
+) -> dict[str, Any]:
+    """Read every planned tensor; returns ``{key: value for load_state_dict}``."""
+    cache = _ChunkCache(store, manifest.step)
+    jobs: list[Callable[[], None]] = []
+    loaded: dict[str, Any] = {}
+    for key, target in plan.targets.items():
+        dest, value = _destination(target)
+        loaded[key] = value
+        for shard in target.entry.shards:
+            if _overlap(shard, target) is None:
+                continue
+            jobs += _jobs_for(_Task(target=target, shard=shard, dest=dest), manifest, cache)
+    futs = [workers.submit(job) for job in jobs]
+    for f in futs:
+        f.result()
+    return loaded
+
+
+def _destination(target: Target) -> tuple[torch.Tensor, Any]:
+    entry = target.entry
+    if target.dest is not None:
+        return target.dest, target.value
+    if entry.kind == "numpy":
+        arr = np.empty(target.shape, dtype=numpy_dtype(entry.dtype))
+        flat = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+        return flat, arr
+    t = torch.empty(target.shape, dtype=torch_dtype(entry.dtype))
+    return t, t
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
+    """Flat uint8 view of a contiguous CPU tensor, else None."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _jobs_for(task: _Task, manifest: Manifest, cache: _ChunkCache) -> list[Callable[[], None]]:
+    t = task.target
+    same_box = task.shard.offset == t.offset and task.shard.shape == t.shape
+    dest_bytes = _byte_view(task.dest)
+    dtype_ok = t.entry.kind == "numpy" or task.dest.dtype == torch_dtype(t.entry.dtype)
+    if same_box and dest_bytes is not None and dtype_ok:
+        jobs = []
+        pos = 0
+        for ext in task.shard.extents:
+            ref = manifest.chunks[ext.chunk]
+            direct = ref.codec == "raw" and ext.offset == 0 and ext.length == ref.size
+            if not direct:
+                cache.expect(ref.hash)
+            out = dest_bytes[pos : pos + ext.length]
+            jobs.append(_copy_job(cache, ref, ext, out, t.entry.key, direct))
+            pos += ext.length
+        return jobs
+    for ext in task.shard.extents:
+        cache.expect(manifest.chunks[ext.chunk].hash)
+    return [lambda: _copy_box(task, manifest, cache)]
+
+
+def _copy_job(
+    cache: _ChunkCache, ref: ChunkRef, ext: Extent, out: torch.Tensor, key: str, direct: bool
+) -> Callable[[], None]:
+    def run() -> None:
+        if direct:
+            cache.store.read_chunk_into(ref, memoryview(out.numpy()), step=cache.step, key=key)  # type: ignore[arg-type]
+            return
+        data = cache.get(ref, key)
+        out.copy_(data[ext.offset : ext.offset + ext.length])
+
+    return run
+
+
+def _overlap(shard: Shard, t: Target) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(a, b) for a, b in zip(shard.offset, t.offset))
+    hi = tuple(
+        min(a + n, b + m) for a, n, b, m in zip(shard.offset, shard.shape, t.offset, t.shape)
+    )
+    if lo and any(top <= bot for top, bot in zip(hi, lo)):
+        return None
+    return lo, tuple(top - bot for top, bot in zip(hi, lo))
+
+
+def _copy_box(task: _Task, manifest: Manifest, cache: _ChunkCache) -> None:
+    """Copy the overlap of a saved shard and the target box (general resharding path)."""
+    t, shard = task.target, task.shard
+    ov = _overlap(shard, t)
+    if ov is None:
+        return
+    lo, size = ov
+    dtype = torch_dtype(t.entry.dtype) if t.entry.kind == "torch" else torch.uint8
+    isz = t.entry.itemsize
+    strides = _contiguous_strides(shard.shape)
+    local_lo = [a - b for a, b in zip(lo, shard.offset)]
+    first = sum(i * s for i, s in zip(local_lo, strides))
+    last = sum((i + n - 1) * s for i, n, s in zip(local_lo, size, strides)) if size else first
+    span = _read_span(task, manifest, cache, first * isz, (last + 1) * isz)
+    if t.entry.kind == "numpy":
+        src = span.view(-1)
+        task.dest.copy_(src)  # numpy targets are always whole-array
+        return
+    src = span.view(dtype).as_strided(size, strides)
+    box = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo, t.offset, size))
+    task.dest[box].copy_(src)
+
+
+def _read_span(
+    task: _Task, manifest: Manifest, cache: _ChunkCache, start: int, end: int
+) -> torch.Tensor:
+    out = torch.empty(end - start, dtype=torch.uint8)
+    pos = 0
+    for ext in task.shard.extents:
+        ref = manifest.chunks[ext.chunk]
+        a, b = max(pos, start), min(pos + ext.length, end)
+        if a < b:
+            data = cache.get(ref, task.target.entry.key)
+            out[a - start : b - start].copy_(data[ext.offset + a - pos : ext.offset + b - pos])
+        else:
+            cache.release(ref.hash)
+        pos += ext.length
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))

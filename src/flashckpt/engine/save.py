@@ -1,0 +1,296 @@
+"""One save, moving through time: stage -> persist -> commit.
+
+The staging thread walks the chunk layout in order. For each chunk it decides "unchanged" as
+cheaply as possible (xxh3-128 of the live bytes on CPU; a device fingerprint on CUDA, so an
+unchanged chunk is never copied to the host), otherwise copies the chunk into a staging slot
+and hands it to the persist workers, which encode, write and fsync it and free the slot. When
+every chunk is staged, ``staged`` completes; when every chunk is durable, the manifest is
+committed and ``durable`` completes. A failure anywhere stops the pipeline, deletes the chunks
+this save wrote, and never touches an existing manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashckpt.engine.fingerprint import Fingerprinter
+from flashckpt.engine.handle import SaveHandle
+from flashckpt.engine.layout import ChunkPlan
+from flashckpt.engine.staging import StagingPool
+from flashckpt.state.capture import Captured
+from flashckpt.store import codec as codecs
+from flashckpt.store.gc import referenced_chunks
+from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
+from flashckpt.store.store import CheckpointStore, chunk_path
+
+log = logging.getLogger(__name__)
+
+Committer = Callable[[Manifest, list[str]], None]
+"""``commit(manifest, chunk_dirs)`` makes the checkpoint exist (single rank: write the manifest;
+distributed: write this rank's part, barrier, rank 0 publishes)."""
+
+
+@dataclass(kw_only=True)
+class SaveContext:
+    """What a save job borrows from its Checkpointer for its lifetime."""
+
+    store: CheckpointStore
+    pool: StagingPool | None  # None: persist straight from live memory (synchronous saves)
+    workers: Executor
+    compression: str | None
+    incremental: bool
+    fingerprinter: Fingerprinter | None
+    fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]]
+    library: str
+    rank: int = 0
+    world_size: int = 1
+    cuda_event: Any = None  # recorded on the training stream at save()
+
+
+@dataclass(kw_only=True)
+class _Progress:
+    refs: dict[str, ChunkRef] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)
+    pending: list[Future[None]] = field(default_factory=list)
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SaveJob:
+    def __init__(
+        self,
+        *,
+        ctx: SaveContext,
+        handle: SaveHandle,
+        captured: Captured,
+        chunks: list[ChunkPlan],
+        committer: Committer,
+    ) -> None:
+        self.ctx = ctx
+        self.handle = handle
+        self.captured = captured
+        self.chunks = chunks
+        self.committer = committer
+        self.hashes: list[str] = [""] * len(chunks)
+        self._p = _Progress()
+        self._stream: Any = None
+        self.t0 = time.perf_counter()
+
+    @property
+    def pinned_hashes(self) -> set[str]:
+        return {h for h in self.hashes if h}
+
+    def run(self) -> None:
+        """Stage every chunk, wait for persist, commit. Sets the handle's futures."""
+        stats = self.handle.stats
+        try:
+            self._stage_all()
+            stats.staged_s = time.perf_counter() - self.t0
+            self.handle.staged.set_result(stats)
+            for f in self._p.pending:
+                f.result()
+            self._raise_if_failed()
+            manifest = self._manifest()
+            self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
+            stats.background_s = time.perf_counter() - self.t0
+            self.handle.durable.set_result(stats)
+        except BaseException as exc:
+            self._fail(exc)
+
+    # -- staging ----------------------------------------------------------------------------
+    def _stage_all(self) -> None:
+        for ci, chunk in enumerate(self.chunks):
+            self._raise_if_failed()
+            parts = [
+                self.captured.items[p.item].data[p.start : p.start + p.length] for p in chunk.pieces
+            ]
+            if chunk.device == "cpu":
+                self._stage_cpu(ci, chunk, parts)
+            else:
+                self._stage_device(ci, chunk, parts)
+
+    def _stage_cpu(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
+        views = [p.numpy() for p in parts]
+        h = codecs.hash_parts(views)
+        if self._reuse(ci, h, chunk.size):
+            return
+        if self.ctx.pool is None:
+            self._submit(ci, h, chunk, views, None)
+            return
+        slot = self.ctx.pool.acquire()
+        buf = self.ctx.pool.view(slot, chunk.size)
+        pos = 0
+        for p in parts:
+            buf[pos : pos + p.numel()].copy_(p)
+            pos += p.numel()
+        self._submit(ci, h, chunk, [buf.numpy()], slot)
+
+    def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=parts[0].device)
+            if self.ctx.cuda_event is not None:
+                self._stream.wait_event(self.ctx.cuda_event)
+        region = tuple((self.captured.items[p.item].key, p.start, p.length) for p in chunk.pieces)
+        fp = None
+        with torch.cuda.stream(self._stream):
+            if self.ctx.fingerprinter is not None:
+                data = parts[0] if len(parts) == 1 else torch.cat(parts)
+                fp = self.ctx.fingerprinter(data)
+                prev = self.ctx.fingerprints.get(region)
+                if prev is not None and prev[0] == fp and self._reuse(ci, prev[1], chunk.size):
+                    return
+            pool = self._require_pool()
+            slot = pool.acquire()
+            buf = pool.view(slot, chunk.size)
+            pos = 0
+            for p in parts:
+                buf[pos : pos + p.numel()].copy_(p, non_blocking=True)
+                pos += p.numel()
+        self._stream.synchronize()
+        view = buf.numpy()
+        h = codecs.hash_parts([view])
+        if fp is not None:
+            self.ctx.fingerprints[region] = (fp, h)
+        if self._reuse(ci, h, chunk.size):
+            pool.release(slot)
+            return
+        self._submit(ci, h, chunk, [view], slot)
+
+    def _require_pool(self) -> StagingPool:
+        if self.ctx.pool is None:
+            raise RuntimeError("device tensors need a staging pool")
+        return self.ctx.pool
+
+    def _reuse(self, ci: int, h: str, size: int) -> bool:
+        """Record chunk ``ci`` as ``h``; True when no write is needed."""
+        self.hashes[ci] = h
+        stats = self.handle.stats
+        stats.total_bytes += size
+        with self._p.lock:
+            if h in self._p.refs:
+                stats.reused_bytes += size
+                return True
+            ref = self.ctx.store.find_chunk(h) if self.ctx.incremental else None
+            if ref is not None:
+                self._p.refs[h] = ChunkRef(
+                    hash=h, size=size, codec=ref.codec, stored_size=max(ref.stored_size, 0)
+                )
+                stats.reused_bytes += size
+                stats.chunks_reused += 1
+                return True
+            self._p.refs[h] = ChunkRef(hash=h, size=size)  # claimed; final ref set on write
+        stats.new_bytes += size
+        stats.chunks_new += 1
+        return False
+
+    # -- persisting -------------------------------------------------------------------------
+    def _submit(self, ci: int, h: str, chunk: ChunkPlan, bufs: list[Any], slot: int | None) -> None:
+        codec = codecs.choose_codec(self.ctx.compression, chunk.itemsize)
+        try:
+            fut = self.ctx.workers.submit(self._persist, h, chunk.size, bufs, codec, slot)
+        except BaseException:
+            if slot is not None and self.ctx.pool is not None:
+                self.ctx.pool.release(slot)
+            raise
+        self._p.pending.append(fut)
+
+    def _persist(self, h: str, size: int, bufs: list[Any], codec: str, slot: int | None) -> None:
+        try:
+            if self._p.error is not None:
+                return
+            ref = self.ctx.store.put_chunk(h, size, bufs, codec)
+            with self._p.lock:
+                self._p.refs[h] = ref
+                self._p.written.append(h)
+            self.handle.stats.stored_bytes += ref.stored_size
+        except BaseException as exc:
+            with self._p.lock:
+                if self._p.error is None:
+                    self._p.error = exc
+            raise
+        finally:
+            if slot is not None and self.ctx.pool is not None:
+                self.ctx.pool.release(slot)
+
+    def _raise_if_failed(self) -> None:
+        err = self._p.error
+        if err is not None:
+            raise err
+
+    # -- commit / failure -------------------------------------------------------------------
+    def _manifest(self) -> Manifest:
+        order: dict[str, int] = {}
+        chunks: list[ChunkRef] = []
+        for h in self.hashes:
+            if h not in order:
+                order[h] = len(chunks)
+                chunks.append(self._p.refs[h])
+        extents: dict[int, list[Extent]] = {}
+        for ci, chunk in enumerate(self.chunks):
+            off = 0
+            for piece in chunk.pieces:
+                ext = Extent(chunk=order[self.hashes[ci]], offset=off, length=piece.length)
+                extents.setdefault(piece.item, []).append(ext)
+                off += piece.length
+        tensors = {}
+        for idx, item in enumerate(self.captured.items):
+            shard = Shard(
+                offset=item.global_offset,
+                shape=item.shape,
+                extents=tuple(extents.get(idx, ())),
+                rank=self.ctx.rank,
+            )
+            tensors[item.key] = TensorEntry(
+                key=item.key,
+                kind=item.kind,
+                dtype=item.dtype,
+                global_shape=item.global_shape,
+                shards=(shard,),
+            )
+        return Manifest(
+            step=self.handle.step,
+            time_s=time.time(),
+            world_size=self.ctx.world_size,
+            tree=self.captured.tree,
+            tensors=tensors,
+            chunks=chunks,
+            stats=self.handle.stats.as_dict(),
+            library=self.ctx.library,
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._p.lock:
+            if self._p.error is None:
+                self._p.error = exc
+        for f in self._p.pending:
+            try:
+                f.result()
+            except BaseException:
+                pass
+        self._cleanup()
+        for fut in (self.handle.staged, self.handle.durable):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _cleanup(self) -> None:
+        """Remove chunks this save wrote that no committed checkpoint references."""
+        if not self._p.written:
+            return
+        try:
+            live = referenced_chunks(self.ctx.store)
+        except BaseException as exc:  # leave them for gc rather than risk a live chunk
+            log.warning("could not clean up after failed save %d: %s", self.handle.step, exc)
+            return
+        for h in self._p.written:
+            ref = self._p.refs.get(h)
+            if ref is not None and h not in live:
+                self.ctx.store.backend.delete(chunk_path(h, ref.codec))
+                self.ctx.store.forget_chunk(h)

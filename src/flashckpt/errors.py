@@ -1,0 +1,88 @@
+"""The flashckpt exception family.
+
+Every error the library raises on purpose derives from :class:`FlashCkptError`, so callers can
+catch one type. Messages name the step, key, chunk or path involved and the next thing to try.
+"""
+
+from __future__ import annotations
+
+
+class FlashCkptError(Exception):
+    """Root of every error flashckpt raises on purpose."""
+
+
+class ConfigError(FlashCkptError, ValueError):
+    """An argument or option is invalid; the message says which and what is accepted."""
+
+
+class UnsupportedStateError(FlashCkptError, TypeError):
+    """The state contains an object flashckpt cannot save (raised before anything is written)."""
+
+
+class NoCheckpointError(FlashCkptError):
+    """No (valid) checkpoint exists where one was required."""
+
+
+class CorruptCheckpointError(FlashCkptError):
+    """A checkpoint failed validation: bad manifest, missing/truncated chunk or hash mismatch."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        key: str | None = None,
+        chunk: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.key = key
+        self.chunk = chunk
+
+
+class ManifestError(CorruptCheckpointError):
+    """A manifest is not valid JSON or violates the schema (possibly hostile)."""
+
+
+class StateMismatchError(FlashCkptError):
+    """The checkpoint does not match the target state (missing keys, unexpected keys, shapes)."""
+
+    def __init__(self, message: str, *, keys: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
+
+
+class StorageError(FlashCkptError, OSError):
+    """Reading or writing a tier failed (disk full, permission, unreachable remote, ...)."""
+
+
+class LockedError(FlashCkptError):
+    """Another process holds the writer lock on this checkpoint root."""
+
+
+class SaveError(FlashCkptError):
+    """A background save failed; ``__cause__`` holds the original error."""
+
+
+class DistributedError(FlashCkptError):
+    """A collective phase failed on one or more ranks (every rank raises the same error)."""
+
+    def __init__(self, message: str, *, phase: str = "", ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.ranks = list(ranks or [])
+
+
+__all__ = [
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DistributedError",
+    "FlashCkptError",
+    "LockedError",
+    "ManifestError",
+    "NoCheckpointError",
+    "SaveError",
+    "StateMismatchError",
+    "StorageError",
+    "UnsupportedStateError",
+]

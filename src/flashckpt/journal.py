@@ -1,0 +1,91 @@
+"""The run journal: one JSON object per line in ``ROOT/journal.jsonl``.
+
+Every line is written with a single ``write`` on a file opened with ``O_APPEND``, so lines from
+several processes (ranks, restarts) never interleave on a local filesystem. Readers tolerate a
+torn last line (a crash mid-write) and skip any line that is not a JSON object.
+
+Each event has at least ``{"t": unix_time_s, "event": NAME, "pid": int}`` plus ``rank`` when
+running under torch.distributed. Event names and their fields:
+
+==================  ===========================================================================
+``run_start``        ``clean_previous: bool`` (False when the previous run left its marker)
+``crash_detected``   ``last_step: int|None``, ``since_t: float`` (start of the crashed run)
+``run_end``          ``step: int|None``
+``save_start``       ``step``
+``staged``           ``step``, ``blocking_s`` (time the training thread was blocked)
+``durable``          ``step``, ``tier``, ``background_s``, ``total_bytes``, ``new_bytes``,
+                     ``reused_bytes``, ``chunks_new``, ``chunks_reused``, ``throughput_Bps``
+``save_failed``      ``step``, ``error``
+``save_skipped``     ``step``, ``reason``
+``promoted``         ``step``, ``src``, ``dst``, ``seconds``, ``bytes``
+``restore``          ``step``, ``tier``, ``seconds``, ``bytes``
+``corrupt``          ``step``, ``tier``, ``error``
+``steps_lost``       ``from_step``, ``to_step``, ``steps``
+``step_time``        ``step``, ``seconds`` (mean training step time since the last record)
+``memory``           ``phase``, ``allocated_bytes``, ``reserved_bytes``, ``max_allocated_bytes``,
+                     ``fragmentation_bytes``, ``alloc_retries``
+``interval``         ``policy``, ``interval_s``, ``interval_steps``, ``cost_s``, ``mtbf_s``,
+                     ``restart_s``, ``persist_s``, ``reason``
+``gc``               ``chunks_deleted``, ``bytes_deleted``
+==================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+JOURNAL_NAME = "journal.jsonl"
+
+
+class Journal:
+    """Appends events to a journal file. Never raises on write failure (logs instead)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, rank: int | None = None) -> None:
+        self.path = Path(path)
+        self.rank = rank
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {"t": time.time(), "event": event, "pid": os.getpid()}
+        if self.rank is not None:
+            record["rank"] = self.rank
+        record.update(fields)
+        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the journal must never break training
+            log.warning("could not append to journal %s: %s", self.path, exc)
+        return record
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All well-formed events in the journal at ``path`` (a file or a checkpoint root)."""
+    return list(iter_events(path))
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / JOURNAL_NAME
+    if not p.exists():
+        return
+    with open(p, "rb") as f:
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                continue  # a torn line from a crash mid-append
+            if isinstance(obj, dict) and "event" in obj:
+                yield obj

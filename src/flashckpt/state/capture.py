@@ -1,0 +1,122 @@
+"""Capture: turn a user's state dict into tensor items plus a JSON tree (training thread).
+
+``state`` maps names to objects with ``state_dict()``/``load_state_dict()`` (modules,
+optimizers, schedulers, GradScaler, samplers, :class:`~flashckpt.RNG`, any Stateful), tensors,
+NumPy arrays, or JSON-able values. Capture calls ``state_dict()`` once per object and records
+references, not copies; the engine decides what to copy right away and what to stage later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashckpt.errors import ConfigError, UnsupportedStateError
+from flashckpt.state.dtensor import local_shard
+from flashckpt.state.tree import Leaf, encode_tree
+from flashckpt.store.dtypes import numpy_dtype_name, torch_dtype_name
+
+
+@dataclass(kw_only=True)
+class TensorItem:
+    """One tensor (or this rank's shard of it) to save.
+
+    ``data`` is a flat ``uint8`` view of the local bytes (CPU or CUDA); ``source`` is the tensor
+    it views, kept so the engine can tell parameters and optimizer state (stable until the next
+    ``optimizer.step()``) from buffers that change during forward.
+    """
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    data: torch.Tensor
+    source: torch.Tensor | None = None
+    replicated: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass(kw_only=True)
+class Captured:
+    tree: dict[str, Any] = field(default_factory=dict)
+    items: list[TensorItem] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def check_state(state: Any) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping):
+        raise ConfigError(
+            f"state must be a dict of name -> object, got {type(state).__name__}; "
+            'e.g. {"model": model, "optim": optimizer}'
+        )
+    for k in state:
+        if not isinstance(k, str) or not k or "/" in k:
+            raise ConfigError(f"state key {k!r} must be a non-empty string without '/'")
+    return state
+
+
+def capture(state: Mapping[str, Any]) -> Captured:
+    """Flatten ``state``; raises :class:`UnsupportedStateError` before anything is written."""
+    out = Captured()
+    for name, value in check_state(state).items():
+        raw = value.state_dict() if is_stateful(value) else value
+        tree, leaves = encode_tree(raw, name)
+        out.tree[name] = tree
+        out.items.extend(_item(leaf) for leaf in leaves)
+    return out
+
+
+def _item(leaf: Leaf) -> TensorItem:
+    v = leaf.value
+    if isinstance(v, np.ndarray):
+        arr = np.ascontiguousarray(v)
+        return TensorItem(
+            key=leaf.key,
+            kind="numpy",
+            dtype=numpy_dtype_name(arr.dtype, leaf.key),
+            shape=tuple(arr.shape),
+            global_shape=tuple(arr.shape),
+            global_offset=(0,) * arr.ndim,
+            data=torch.from_numpy(arr.reshape(-1).view(np.uint8)),
+        )
+    local, gshape, goffset, replicated = local_shard(v, leaf.key)
+    if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+        raise UnsupportedStateError(
+            f"tensor {leaf.key!r} is {local.layout}/{local.device.type}; flashckpt saves dense "
+            "tensors with data (convert sparse/quantized tensors, materialise meta tensors)"
+        )
+    dtype = torch_dtype_name(local.dtype, leaf.key)
+    flat = local.detach().contiguous().reshape(-1)
+    data = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    if math.prod(local.shape) * local.element_size() != data.numel():
+        raise UnsupportedStateError(f"tensor {leaf.key!r} has an unexpected memory layout")
+    return TensorItem(
+        key=leaf.key,
+        kind="torch",
+        dtype=dtype,
+        shape=tuple(local.shape),
+        global_shape=gshape,
+        global_offset=goffset,
+        data=data,
+        source=v if isinstance(v, torch.Tensor) else None,
+        replicated=replicated,
+    )

@@ -1,0 +1,182 @@
+"""Restore: match a checkpoint's tensors to the user's live state and load it in place.
+
+Planning happens before any byte is read: every top-level entry and tensor is matched against
+the target, and any mismatch (missing or unexpected keys, shapes) is reported together in one
+:class:`~flashckpt.errors.StateMismatchError`. Tensors are then read straight into the target's
+own storage where dtype and shape allow (no second copy of the checkpoint in memory), and each
+Stateful object gets ``load_state_dict`` with a tree made of those tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashckpt.errors import ManifestError, StateMismatchError
+from flashckpt.state.capture import check_state, is_stateful
+from flashckpt.state.dtensor import is_dtensor, local_shard
+from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
+from flashckpt.store.dtypes import torch_dtype
+from flashckpt.store.manifest import Manifest, TensorEntry
+
+log = logging.getLogger(__name__)
+_MAX_LISTED = 20
+
+
+@dataclass(kw_only=True)
+class Target:
+    """Where one saved tensor goes: ``dest`` (a local tensor to fill, or None to allocate) and
+    the box of the global tensor it covers."""
+
+    entry: TensorEntry
+    dest: torch.Tensor | None
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    value: Any = None  # what load_state_dict receives (the DTensor/ndarray itself when in place)
+
+
+@dataclass(kw_only=True)
+class RestorePlan:
+    state: Mapping[str, Any]
+    trees: dict[str, Any]
+    targets: dict[str, Target] = field(default_factory=dict)
+    skipped: dict[str, set[str]] = field(default_factory=dict)
+    strict: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(t.shape) * t.entry.itemsize for t in self.targets.values())
+
+    def finish(self, loaded: Mapping[str, Any]) -> None:
+        """Hand the loaded tensors to their owners (``loaded[key]`` from the engine)."""
+
+        def lookup(kind: str, key: str) -> Any:
+            if key not in loaded:
+                raise ManifestError(f"state tree references unknown tensor {key!r}")
+            return loaded[key]
+
+        for name, value in self.state.items():
+            if self.trees.get(name) is None:
+                continue
+            decoded = decode_tree(self.trees[name], lookup)
+            _deliver(self.state, name, value, decoded, self.skipped.get(name, set()), self.strict)
+
+
+def plan_restore(
+    state: Mapping[str, Any], manifest: Manifest, *, strict: bool = True, rank: int = 0
+) -> RestorePlan:
+    trees = dict(manifest.tree)
+    trees.update(manifest.rank_trees.get(str(rank), {}))
+    plan = RestorePlan(state=check_state(state), trees=trees, strict=strict)
+    problems: list[str] = []
+    for name, value in plan.state.items():
+        if name not in trees:
+            problems.append(f"{name} (not in the checkpoint)")
+            continue
+        problems += _plan_entry(plan, manifest, name, value)
+    if problems and strict:
+        shown = problems[:_MAX_LISTED]
+        more = f" and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise StateMismatchError(
+            f"checkpoint step {manifest.step} does not match the state: {'; '.join(shown)}{more}. "
+            "Pass strict=False to load what matches.",
+            keys=[p.split(" ", 1)[0] for p in problems],
+        )
+    for name in [n for n in plan.state if n not in trees]:
+        log.warning("restore: %r is not in checkpoint step %d; left as it is", name, manifest.step)
+        plan.trees[name] = None
+    return plan
+
+
+def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) -> list[str]:
+    target_raw = value.state_dict() if is_stateful(value) else value
+    _, leaves = encode_tree(target_raw, name)
+    live = {leaf.key: leaf.value for leaf in leaves}
+    saved = tensor_refs(plan.trees[name])
+    problems: list[str] = []
+    skipped: set[str] = set()
+    for kind, key in saved:
+        entry = manifest.tensors.get(key)
+        if entry is None or entry.kind != kind:
+            raise ManifestError(f"step {manifest.step}: state tree names missing tensor {key!r}")
+        target = live.get(key)
+        problem = _shape_problem(key, entry, target)
+        if problem:
+            problems.append(problem)
+            skipped.add(key)
+            target = None
+        plan.targets[key] = _target(entry, target)
+    if isinstance(value, torch.nn.Module):
+        saved_keys = {k for _, k in saved}
+        missing = sorted(set(live) - saved_keys)
+        problems += [f"{k} (missing from the checkpoint)" for k in missing]
+        skipped |= set(missing)
+    plan.skipped[name] = skipped
+    return problems
+
+
+def _shape_problem(key: str, entry: TensorEntry, target: Any) -> str | None:
+    if target is None:
+        return None
+    tshape = tuple(target.shape)
+    if tshape != entry.global_shape:
+        return f"{key} (checkpoint shape {list(entry.global_shape)}, target shape {list(tshape)})"
+    return None
+
+
+def _target(entry: TensorEntry, live: Any) -> Target:
+    full = (0,) * len(entry.global_shape)
+    if isinstance(live, np.ndarray):  # arrays are small (RNG states): load, then np.copyto
+        return Target(entry=entry, dest=None, offset=full, shape=entry.global_shape)
+    if isinstance(live, torch.Tensor) and entry.kind == "torch":
+        local, _, offset, _ = local_shard(live, entry.key)
+        if is_dtensor(live) or local.dtype == torch_dtype(entry.dtype):
+            return Target(
+                entry=entry,
+                dest=local.detach(),
+                offset=offset,
+                shape=tuple(local.shape),
+                value=live,
+            )
+    return Target(entry=entry, dest=None, offset=full, shape=entry.global_shape)
+
+
+def _deliver(
+    state: Mapping[str, Any], name: str, value: Any, decoded: Any, skipped: set[str], strict: bool
+) -> None:
+    if is_stateful(value):
+        if isinstance(value, torch.nn.Module):
+            if skipped:
+                prefix = f"{name}/"
+                decoded = {k: v for k, v in decoded.items() if f"{prefix}{k}" not in skipped}
+            value.load_state_dict(decoded, strict=strict and not skipped)
+        elif skipped:
+            log.warning("restore: %r skipped (mismatched tensors, strict=False)", name)
+        else:
+            value.load_state_dict(decoded)
+    elif isinstance(value, torch.Tensor):
+        if decoded is not value:
+            with torch.no_grad():
+                value.copy_(decoded)
+    elif isinstance(value, np.ndarray) and isinstance(decoded, np.ndarray):
+        if decoded is not value:
+            np.copyto(value, decoded)
+    elif isinstance(state, MutableMapping):
+        state[name] = decoded
+    else:
+        raise StateMismatchError(
+            f"cannot restore plain value {name!r} into a read-only mapping; pass a dict",
+            keys=[name],
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

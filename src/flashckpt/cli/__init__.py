@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from flashckpt.errors import FlashCkptError
 
 # Command modules, in the order ``--help`` lists them.
-COMMAND_MODULES = ("store_cmds", "report", "status", "plan")
+COMMAND_MODULES = ("store_cmds", "report", "status", "plan", "interop")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,16 +12,17 @@ from flashckpt.errors import ConfigError
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "dcp")
 
 
 def register_export(sub: Any) -> None:
     p = sub.add_parser(
         "export",
-        help="write a step as a plain state_dict (safetensors or torch.save), sharded steps merged",
+        help="write a step as a plain state_dict (safetensors, torch.save or a DCP directory), "
+        "sharded steps merged",
     )
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("out", metavar="OUT", help="output file")
+    p.add_argument("out", metavar="OUT", help="output file (a new directory for --format dcp)")
     p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument(
@@ -66,7 +67,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"step {step} has no tensors under prefix {args.prefix!r}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.format == "safetensors":
+    if args.format == "dcp":
+        from flashckpt.integrations.interop import write_dcp
+
+        write_dcp(tensors, out)
+    elif args.format == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError as exc:

@@ -7,6 +7,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashckpt.errors import FlashCkptError, SaveError
+
+
+def as_save_error(exc: BaseException, step: int) -> BaseException:
+    """A background failure as a FlashCkptError (a :class:`SaveError` wrapping the cause)."""
+    if isinstance(exc, FlashCkptError) or not isinstance(exc, Exception):
+        return exc
+    err = SaveError(f"checkpoint step {step} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
 
 @dataclass(kw_only=True)
 class SaveStats:
@@ -43,6 +54,7 @@ class SaveHandle:
     staged: Future[SaveStats] = field(default_factory=Future)
     durable: Future[SaveStats] = field(default_factory=Future)
     skipped: bool = False
+    error_delivered: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -58,8 +70,13 @@ class SaveHandle:
             self.stats.blocking_s += seconds
 
     def wait(self, timeout: float | None = None) -> SaveStats:
-        """Block until durable; re-raises the save's error."""
-        return self.durable.result(timeout)
+        """Block until durable; re-raises the save's error (which then counts as delivered and
+        is not raised again by the next ``save()`` or ``close()``)."""
+        try:
+            return self.durable.result(timeout)
+        except BaseException:
+            self.error_delivered = True
+            raise
 
     def done(self) -> bool:
         return self.durable.done()

@@ -1,0 +1,79 @@
+"""Shared fixtures: small models and state builders used across the suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.drop = torch.nn.Dropout(0.1)
+        self.fc2 = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, *, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    width = next(model.parameters()).shape[1]
+    for _ in range(steps):
+        x = torch.randn(16, width, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture
+def make_state() -> Callable[..., dict[str, Any]]:
+    """``make_state(width=32, trained=2)``: model + AdamW + scheduler after some steps."""
+
+    def build(*, width: int = 32, trained: int = 2, seed: int = 0) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        model = TinyNet(width)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        for _ in range(trained):
+            train(model, opt, 1, seed=seed)
+            sched.step()
+        return {"model": model, "optim": opt, "sched": sched}
+
+    return build
+
+
+def assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bitwise equality of two states' state_dicts (tensors compared exactly)."""
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), path
+            assert x.dtype == y.dtype and x.shape == y.shape, path
+            assert torch.equal(x, y), f"tensor differs at {path}"
+        elif isinstance(x, dict):
+            assert set(x) == set(y), f"{path}: keys {set(x) ^ set(y)}"
+            for k in x:
+                walk(x[k], y[k], f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            assert len(x) == len(y), path
+            for i, (u, v) in enumerate(zip(x, y)):
+                walk(u, v, f"{path}/{i}")
+        else:
+            assert x == y, f"{path}: {x!r} != {y!r}"
+
+    for k in a:
+        sa = a[k].state_dict() if hasattr(a[k], "state_dict") else a[k]
+        sb = b[k].state_dict() if hasattr(b[k], "state_dict") else b[k]
+        walk(sa, sb, k)
+
+
+@pytest.fixture
+def state_equal() -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    return assert_state_equal

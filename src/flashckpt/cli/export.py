@@ -38,20 +38,14 @@ def full_tensors(
     store: CheckpointStore, manifest: Manifest, prefix: str | None
 ) -> dict[str, torch.Tensor]:
     """Every torch tensor of a checkpoint, full (shards merged), on CPU."""
-    from concurrent.futures import ThreadPoolExecutor
+    from flashckpt.engine.reader import read_tensors
 
-    from flashckpt.engine.reader import read_plan
-    from flashckpt.state.restore import RestorePlan, Target
-
-    plan = RestorePlan(state={}, trees={})
-    for key, e in manifest.tensors.items():
-        if e.kind != "torch" or (prefix and not key.startswith(prefix + "/")):
-            continue
-        plan.targets[key] = Target(
-            entry=e, dest=None, offset=(0,) * len(e.global_shape), shape=e.global_shape
-        )
-    with ThreadPoolExecutor(4) as ex:
-        loaded = read_plan(store, manifest, plan, ex)
+    keys = [
+        k
+        for k, e in manifest.tensors.items()
+        if e.kind == "torch" and (not prefix or k.startswith(prefix + "/"))
+    ]
+    loaded = read_tensors(store, manifest, keys)
     if prefix:
         return {k[len(prefix) + 1 :]: v for k, v in loaded.items()}
     return dict(loaded)

@@ -10,7 +10,7 @@ contains the overlap, then copies the box.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -206,3 +206,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def read_tensors(
+    store: CheckpointStore, manifest: Manifest, keys: Iterable[str], *, workers: int = 4
+) -> dict[str, Any]:
+    """Whole tensors (shards merged) for ``keys``, on CPU: for export, diff and tools."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plan = RestorePlan(state={}, trees={})
+    for key in keys:
+        e = manifest.tensors[key]
+        plan.targets[key] = Target(
+            entry=e, dest=None, offset=(0,) * len(e.global_shape), shape=e.global_shape
+        )
+    with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-read") as ex:
+        return read_plan(store, manifest, plan, ex)

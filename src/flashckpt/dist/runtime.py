@@ -1,0 +1,87 @@
+"""What the Checkpointer calls when it runs under torch.distributed (one object, few hooks).
+
+``Checkpointer`` holds a :class:`DistRuntime` (None outside torch.distributed) and calls:
+
+1. ``split(captured, state)`` in ``save()`` after capture: drop what other ranks write, rename
+   per-rank tensors (:mod:`flashckpt.dist.ownership`);
+2. ``job(...)`` instead of building a plain ``SaveJob``: the job commits with the distributed
+   protocol (:mod:`flashckpt.dist.commit`);
+3. ``restore(...)`` from ``restore()``: all ranks agree on the step (:mod:`flashckpt.dist.restore`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flashckpt.dist.commit import DistSaveJob
+from flashckpt.dist.context import DistContext
+from flashckpt.dist.ownership import split_for_rank
+from flashckpt.dist.restore import init_sharded_optimizers, restore_agreed
+from flashckpt.errors import ConfigError
+from flashckpt.journal import Journal
+from flashckpt.state.capture import Captured
+from flashckpt.store.store import CheckpointStore
+
+
+class DistRuntime:
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self._per_rank: list[str] = []
+
+    @classmethod
+    def detect(
+        cls, *, process_group: Any = None, timeout_s: float = 300.0, on_busy: str = "wait"
+    ) -> DistRuntime | None:
+        ctx = DistContext.detect(process_group=process_group, timeout_s=timeout_s)
+        if ctx is None:
+            return None
+        if on_busy == "skip":
+            raise ConfigError(
+                "on_busy='skip' cannot be used under torch.distributed: ranks could skip "
+                "different steps and wait for each other; use on_busy='wait'"
+            )
+        return cls(ctx)
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def lock_name(self) -> str:
+        return f"rank-{self.ctx.rank}"
+
+    def split(self, captured: Captured, state: Mapping[str, Any]) -> None:
+        self._per_rank = split_for_rank(
+            captured, state, rank=self.ctx.rank, world_size=self.ctx.world_size
+        )
+
+    def job(self, *, retain: Callable[[], None] | None, **kwargs: Any) -> DistSaveJob:
+        return DistSaveJob(dist=self.ctx, per_rank=self._per_rank, retain=retain, **kwargs)
+
+    def restore(
+        self,
+        store: CheckpointStore,
+        journal: Journal,
+        state: Mapping[str, Any],
+        *,
+        step: int | None,
+        steps: list[int],
+        load: Callable[[int], Any],
+    ) -> int | None:
+        """``steps``: the steps this rank can see (rank 0's list decides);
+        ``load(step)`` loads one step into ``state`` on this rank."""
+        init_sharded_optimizers(state)
+
+        def on_corrupt(cand: int, msg: str) -> None:
+            warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
+            journal.append("corrupt", step=cand, tier="local", error=msg)
+
+        return restore_agreed(
+            self.ctx, store, step=step, steps=steps, load=load, on_corrupt=on_corrupt
+        )

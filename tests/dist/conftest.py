@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch._dynamo  # noqa: F401  (imported once here so forked ranks do not each pay ~1 s)
-import torch.distributed.fsdp  # noqa: F401
+
+# Imported here, once, so that forked ranks inherit them instead of each paying ~1 s.
+import torch._dynamo
+import torch.distributed.fsdp
 import torch.distributed.tensor  # noqa: F401
 
 

@@ -10,19 +10,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-try:  # transformers.Trainer needs accelerate; the callback and its state do not.
-    import accelerate  # noqa: F401
+import accelerate  # noqa: F401  (transformers.Trainer needs it; in the test extra)
+import transformers
 
-    HAS_ACCELERATE = True
-except ImportError:
-    HAS_ACCELERATE = False
-needs_trainer = pytest.mark.skipif(
-    not HAS_ACCELERATE, reason="transformers.Trainer needs accelerate"
-)
-
-from flashckpt.errors import ConfigError, NoCheckpointError  # noqa: E402
-from flashckpt.integrations.hf import FlashCkptCallback, _loading_from, resume  # noqa: E402
+from flashckpt.errors import ConfigError, NoCheckpointError
+from flashckpt.integrations.hf import FlashCkptCallback, _loading_from, resume
 
 TOTAL = 10
 
@@ -79,7 +71,6 @@ def _losses(trainer: Any, after: int) -> dict[int, float]:
     }
 
 
-@needs_trainer
 @pytest.mark.parametrize("stop", [4, 6], ids=["mid-epoch", "epoch-boundary"])
 def test_resume_is_bitwise_identical(tmp_path: Path, stop: int) -> None:
     straight = _trainer(tmp_path / "a", tmp_path / "a-ckpt", save_steps=stop)
@@ -102,14 +93,12 @@ def test_resume_is_bitwise_identical(tmp_path: Path, stop: int) -> None:
     cb.close()
 
 
-@needs_trainer
 def test_resume_without_checkpoint_trains_fresh(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, tmp_path / "ckpt", StopAt(2))
     resume(trainer)
     assert trainer.state.global_step == 2
 
 
-@needs_trainer
 def test_resume_errors(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, tmp_path / "ckpt")
     with pytest.raises(NoCheckpointError, match="step 3 is not in"):

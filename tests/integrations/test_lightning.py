@@ -8,13 +8,12 @@ import pathlib
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
-L = pytest.importorskip("lightning")
-
-from flashckpt.errors import ConfigError, UnsupportedStateError  # noqa: E402
-from flashckpt.integrations.lightning import FlashCkptIO, read_pointer  # noqa: E402
+from flashckpt.errors import ConfigError, UnsupportedStateError
+from flashckpt.integrations.lightning import FlashCkptIO, read_pointer
 
 
 class Mode(enum.Enum):

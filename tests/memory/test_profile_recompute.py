@@ -7,9 +7,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import GPT_TINY, LLAMA_TINY
 from torch import nn
 
+from conftest import GPT_TINY, LLAMA_TINY
 from flashckpt.errors import ConfigError
 from flashckpt.memory import (
     BlockProfile,

@@ -54,7 +54,9 @@ class Fingerprinter:
         """Fingerprint of a flat uint8 tensor (any device)."""
         n = data.numel()
         pad = (-n) % 8
-        if pad:
+        if pad or data.storage_offset() % 8 or not data.is_contiguous():
+            # cat copies into a fresh (aligned) tensor: a view of a tensor that starts at a byte
+            # offset not divisible by 8 cannot be reinterpreted as int64 words in place
             data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
         words = data.view(torch.int64)
         pos = torch.arange(words.numel(), dtype=torch.int64, device=data.device) * _K

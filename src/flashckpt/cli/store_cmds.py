@@ -43,8 +43,10 @@ def pick_step(store: CheckpointStore, step: int | None) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("ls", help="list checkpoints: step, time, size, new and reused bytes")
+    p = sub.add_parser("ls", help="list checkpoints: step, time, size, new/reused bytes, tiers")
     p.add_argument("root", metavar="ROOT")
+    p.add_argument("--memory-tier", default=None, help="memory tier path (default: tiers.json)")
+    p.add_argument("--remote", default=None, help="remote tier URL (default: ROOT/tiers.json)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("inspect", help="show tensors, dtypes, shapes and non-tensor state")
@@ -73,13 +75,16 @@ def register(sub: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = open_store(args.root)
-    rows = [("step", "time", "tensors", "size", "new", "reused")]
-    for step in store.steps():
+    from flashckpt.engine.tiers import list_tiers
+
+    held = list_tiers(args.root, memory_tier=args.memory_tier, remote=args.remote)
+    rows = [("step", "time", "tensors", "size", "new", "reused", "tiers")]
+    for step, holders in sorted(held.items()):
+        names = ",".join(name for name, _ in holders)
         try:
-            m = store.load_manifest(step)
+            m = holders[0][1].load_manifest(step)
         except FlashCkptError as exc:
-            rows.append((str(step), "DAMAGED", "-", "-", "-", str(exc)[:40]))
+            rows.append((str(step), "DAMAGED", "-", "-", "-", str(exc)[:40], names))
             continue
         st = m.stats
         rows.append(
@@ -90,6 +95,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 format_bytes(m.total_bytes),
                 format_bytes(st.get("new_bytes", 0)),
                 format_bytes(st.get("reused_bytes", 0)),
+                names,
             )
         )
     if len(rows) == 1:

@@ -1,0 +1,252 @@
+"""Promotion: copy committed checkpoints to slower tiers in the background.
+
+One thread (owned here, started lazily) takes promotion tasks in order. For each slower tier
+that wants the step (its retention policy would keep it and it does not hold it yet) it copies
+the chunks the tier lacks (by hash; each chunk is read back and verified first, so a damaged
+copy never spreads), then writes the manifest last, then applies that tier's retention. Every
+chunk of a queued or running task is pinned, so no tier's garbage collection deletes it even if
+the source tier's retention already dropped the step.
+
+Failures never reach training: they are logged, journaled as ``promote_failed`` and retried
+with exponential backoff; after ``Promotion.retries`` attempts the tier is skipped for that step
+(``promote_abandoned``). A damaged source chunk is journaled as ``corrupt`` and not retried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flashckpt.errors import ConfigError, CorruptCheckpointError
+from flashckpt.journal import Journal
+from flashckpt.store.manifest import ChunkRef, Manifest
+
+if TYPE_CHECKING:
+    from flashckpt.engine.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Promotion:
+    """How background promotion retries and how long ``close()`` waits for it.
+
+    ``retries``: attempts per step and tier; the k-th wait is
+    ``min(max_backoff_s, backoff_s * 2**k)``. ``close_timeout_s``: the most ``close()`` waits for
+    queued promotions (None: until they finish or give up); what is left is journaled as
+    ``promote_abandoned`` and stays in the faster tier.
+    """
+
+    retries: int = 8
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    close_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.retries, int) or self.retries < 1:
+            raise ConfigError(f"Promotion(retries=) must be an int >= 1, got {self.retries!r}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ConfigError("Promotion needs 0 <= backoff_s <= max_backoff_s")
+        if self.close_timeout_s is not None and self.close_timeout_s < 0:
+            raise ConfigError("Promotion(close_timeout_s=) must be >= 0 or None")
+
+
+@dataclass(kw_only=True)
+class PromoteTask:
+    step: int
+    src: Tier
+    manifest: Manifest
+    dsts: list[Tier]
+    queued_t: float
+
+
+def copy_step(src: Tier, dst: Tier, manifest: Manifest) -> tuple[int, int]:
+    """Copy the chunks ``dst`` lacks, then the manifest. Returns (bytes copied, chunks copied)."""
+    refs: list[ChunkRef] = []
+    written: list[str] = []
+    nbytes = 0
+    for ref in manifest.chunks:
+        have = dst.store.find_chunk(ref.hash)
+        if have is not None:
+            refs.append(
+                ChunkRef(
+                    hash=ref.hash,
+                    size=ref.size,
+                    codec=have.codec,
+                    stored_size=max(have.stored_size, 0),
+                )
+            )
+            continue
+        raw = src.store.read_chunk(ref, step=manifest.step)  # verified against its hash
+        new = dst.store.put_chunk(ref.hash, ref.size, [raw], ref.codec)
+        refs.append(new)
+        written.append(ref.hash)
+        nbytes += ref.size
+    copy = dataclasses.replace(manifest, chunks=refs)
+    dst.store.commit(copy, chunk_dirs=dst.store.chunk_dirs(written))
+    return nbytes, len(written)
+
+
+class Promoter:
+    """The promotion thread. ``wants(dst, step)`` and ``after(dst)`` come from the TierSet."""
+
+    def __init__(
+        self,
+        *,
+        options: Promotion,
+        journal: Journal,
+        wants: Callable[[Tier, int], bool],
+        after: Callable[[Tier], None],
+        pin: Callable[[set[str], int], None],
+    ) -> None:
+        self.options = options
+        self.journal = journal
+        self._wants = wants
+        self._after = after
+        self._pin = pin
+        self._queue: deque[PromoteTask] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, task: PromoteTask) -> None:
+        self._pin(task.manifest.chunk_hashes(), +1)
+        with self._cv:
+            self._queue.append(task)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="flashckpt-promote", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify_all()
+
+    def pending(self) -> list[int]:
+        with self._cv:
+            return [t.step for t in self._queue]
+
+    def drain(self, timeout_s: float | None) -> bool:
+        """Wait until every queued promotion finished; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stop(self) -> None:
+        """Stop after the current copy; drop (and journal) what is still queued."""
+        with self._cv:
+            self._stopping = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for task in dropped:
+            self._pin(task.manifest.chunk_hashes(), -1)
+            self.journal.append(
+                "promote_abandoned", step=task.step, src=task.src.name, reason="closed"
+            )
+            log.warning(
+                "promotion of step %d from %s abandoned at close; it stays in %s",
+                task.step,
+                task.src.name,
+                task.src.url,
+            )
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    # -- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                task = self._queue.popleft()
+                self._busy = True
+            try:
+                for dst in task.dsts:
+                    self._promote_to(task, dst)
+            except BaseException as exc:  # never let the thread die silently
+                log.exception("promotion of step %d failed: %s", task.step, exc)
+            finally:
+                self._pin(task.manifest.chunk_hashes(), -1)
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _promote_to(self, task: PromoteTask, dst: Tier) -> None:
+        for attempt in range(self.options.retries):
+            if self._stopping:
+                return
+            try:
+                if not self._wants(dst, task.step):
+                    return
+                t0 = time.perf_counter()
+                nbytes, nchunks = copy_step(task.src, dst, task.manifest)
+            except CorruptCheckpointError as exc:
+                self.journal.append("corrupt", step=task.step, tier=task.src.name, error=str(exc))
+                log.error("not promoting damaged step %d from %s: %s", task.step, task.src.url, exc)
+                return
+            except Exception as exc:
+                if not self._retry_later(task, dst, attempt, exc):
+                    return
+                continue
+            self._done(task, dst, time.perf_counter() - t0, nbytes, nchunks)
+            return
+
+    def _done(self, task: PromoteTask, dst: Tier, seconds: float, nbytes: int, n: int) -> None:
+        self.journal.append(
+            "promoted",
+            step=task.step,
+            src=task.src.name,
+            dst=dst.name,
+            seconds=seconds,
+            bytes=nbytes,
+            chunks=n,
+            since_queued_s=time.time() - task.queued_t,
+        )
+        log.info("step %d promoted %s -> %s (%d bytes)", task.step, task.src.name, dst.name, nbytes)
+        try:
+            self._after(dst)
+        except Exception as exc:
+            log.warning("retention on tier %s after promotion failed: %s", dst.name, exc)
+
+    def _retry_later(self, task: PromoteTask, dst: Tier, attempt: int, exc: Exception) -> bool:
+        last = attempt + 1 >= self.options.retries
+        delay = min(self.options.max_backoff_s, self.options.backoff_s * (2**attempt))
+        self.journal.append(
+            "promote_abandoned" if last else "promote_failed",
+            step=task.step,
+            src=task.src.name,
+            dst=dst.name,
+            attempt=attempt + 1,
+            error=f"{type(exc).__name__}: {exc}",
+            retry_in_s=None if last else delay,
+        )
+        if last:
+            log.error(
+                "giving up promoting step %d to %s after %d attempts: %s; it stays in %s",
+                task.step,
+                dst.url,
+                attempt + 1,
+                exc,
+                task.src.url,
+            )
+            return False
+        log.warning(
+            "promoting step %d to %s failed (%s); retrying in %.1fs", task.step, dst.url, exc, delay
+        )
+        with self._cv:
+            self._cv.wait_for(lambda: self._stopping, timeout=delay)
+        return not self._stopping

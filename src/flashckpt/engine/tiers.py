@@ -1,0 +1,347 @@
+"""Tiers: memory (/dev/shm) -> local disk -> remote object store, fastest first.
+
+Each save commits to the fastest usable tier; the :class:`~flashckpt.engine.promote.Promoter`
+then copies it to the slower tiers whose retention policy wants it. Restore takes the newest
+step held by any tier, reading the fastest copy and falling back to the next tier's copy when one
+is damaged or unreachable.
+
+The tier configuration (names and paths/URLs, never credentials) is recorded in
+``<tier root>/tiers.json`` of every local tier: ``flashckpt ls`` reads it, and its disappearance
+tells a running job that a tier directory was deleted under it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from flashckpt.engine.promote import Promoter, PromoteTask, Promotion
+from flashckpt.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    FlashCkptError,
+    NoCheckpointError,
+    StorageError,
+)
+from flashckpt.journal import Journal
+from flashckpt.policy.retention import KeepLast, RetentionPolicy, as_retention
+from flashckpt.store.backend import LocalBackend
+from flashckpt.store.gc import apply_retention, collect_garbage
+from flashckpt.store.lock import WriterLock
+from flashckpt.store.manifest import Manifest
+from flashckpt.store.store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "tiers.json"
+SPACE_MARGIN_BYTES = 64 << 20
+ORDER = ("memory", "local", "remote")
+
+
+@dataclass(kw_only=True)
+class Tier:
+    name: str  # "memory", "local" or "remote"
+    store: CheckpointStore
+    keep: RetentionPolicy
+    path: Path | None = None  # local tiers: the directory
+    lock: WriterLock | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+
+def public_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part (safe to write into tiers.json or logs)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def read_config(root: str | os.PathLike[str]) -> dict[str, str]:
+    """``{tier name: path or URL}`` recorded in ``root/tiers.json`` ({} when absent)."""
+    p = Path(root) / CONFIG_NAME
+    try:
+        doc = json.loads(p.read_text())
+        return {str(t["name"]): str(t["url"]) for t in doc.get("tiers", [])}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring unreadable %s: %s", p, exc)
+        return {}
+
+
+def open_tier_store(
+    name: str, url: str, *, options: Mapping[str, Any] | None = None
+) -> CheckpointStore:
+    """A read-side store for a recorded tier (used by the CLI)."""
+    if name == "remote":
+        from flashckpt.store.remote import FsspecBackend
+
+        return CheckpointStore(FsspecBackend(url, options=options))
+    return CheckpointStore(LocalBackend(url, create=False))
+
+
+def build_tiers(
+    *,
+    local: CheckpointStore,
+    local_root: Path,
+    keep: RetentionPolicy,
+    memory_tier: str | os.PathLike[str] | None,
+    keep_memory: RetentionPolicy | int | None,
+    remote: str | None,
+    remote_options: Mapping[str, Any] | None,
+    keep_remote: RetentionPolicy | int | None,
+    fsync: bool,
+) -> list[Tier]:
+    """The configured tiers, fastest first; the memory tier's writer lock is taken here."""
+    tiers: list[Tier] = []
+    if memory_tier is not None:
+        mem = Path(memory_tier).expanduser().absolute()
+        if mem == local_root:
+            raise StorageError(f"memory_tier {mem} is the checkpoint root itself; give /dev/shm/..")
+        lock = WriterLock(mem)
+        store = CheckpointStore(LocalBackend(mem, fsync=fsync))
+        lock.acquire()
+        keep_m = KeepLast(2) if keep_memory is None else as_retention(keep_memory)
+        tiers.append(Tier(name="memory", store=store, keep=keep_m, path=mem, lock=lock))
+    tiers.append(Tier(name="local", store=local, keep=keep, path=local_root))
+    if remote is not None:
+        from flashckpt.store.remote import FsspecBackend
+
+        backend = FsspecBackend(remote, options=remote_options)
+        tiers.append(
+            Tier(name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote))
+        )
+    return tiers
+
+
+class TierSet:
+    """The tiers of one Checkpointer, their pins, and the promoter."""
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        journal: Journal,
+        promotion: Promotion,
+        extra_pins: Callable[[], set[str]],
+    ) -> None:
+        self.tiers = tiers
+        self.journal = journal
+        self._extra_pins = extra_pins
+        self._pins: Counter[str] = Counter()
+        self._pin_lock = threading.Lock()
+        self._gc_lock = threading.Lock()
+        self.promoter = Promoter(
+            options=promotion, journal=journal, wants=self.wants, after=self.retain, pin=self._pin
+        )
+        self._write_config()
+
+    @property
+    def fastest(self) -> Tier:
+        return self.tiers[0]
+
+    def by_name(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _write_config(self) -> None:
+        doc = {
+            "version": 1,
+            "tiers": [{"name": t.name, "url": public_url(t.url)} for t in self.tiers],
+        }
+        for t in self.tiers:
+            if t.path is not None:
+                tmp = t.path / f"{CONFIG_NAME}.tmp-{os.getpid()}"
+                tmp.write_text(json.dumps(doc, indent=1))
+                os.replace(tmp, t.path / CONFIG_NAME)
+
+    # -- saving -----------------------------------------------------------------------------
+    def check_present(self) -> None:
+        """Raise StorageError when a local tier's directory was deleted under the running job."""
+        for t in self.tiers:
+            if t.path is not None and not (t.path / CONFIG_NAME).exists():
+                others = ", ".join(f"{o.name} {o.url}" for o in self.tiers if o is not t)
+                raise StorageError(
+                    f"the {t.name} tier {t.path} was deleted while this job was running "
+                    f"({CONFIG_NAME} is gone), so its checkpoints are lost; checkpoints in the "
+                    f"other tiers are intact ({others or 'none configured'}). Create a new "
+                    "Checkpointer (it re-creates the directory) and restore() from them"
+                )
+
+    def target(self, *, step: int, nbytes: int) -> Tier:
+        """The tier this save commits to: the fastest, unless the memory tier lacks space."""
+        self.check_present()
+        first = self.fastest
+        if first.name != "memory" or first.path is None:
+            return first
+        free = shutil.disk_usage(first.path).free
+        needed = nbytes + max(SPACE_MARGIN_BYTES, nbytes // 20)
+        if free >= needed:
+            return first
+        nxt = self.tiers[1]
+        msg = (
+            f"memory tier {first.path} has {free} bytes free but step {step} needs about "
+            f"{needed}; saving to the {nxt.name} tier {nxt.url} instead (enlarge /dev/shm or "
+            "lower keep_memory)"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        log.warning(msg)
+        self.journal.append(
+            "tier_fallback",
+            step=step,
+            tier=first.name,
+            to=nxt.name,
+            needed_bytes=needed,
+            free_bytes=free,
+        )
+        return nxt
+
+    def committed(self, step: int, tier: Tier, manifest: Manifest | None = None) -> None:
+        """A step is durable in ``tier``: queue its promotion to the slower tiers."""
+        slower = self.tiers[self.tiers.index(tier) + 1 :]
+        if not slower:
+            return
+        m = manifest if manifest is not None else tier.store.load_manifest(step)
+        task = PromoteTask(step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time())
+        self.promoter.submit(task)
+
+    def wants(self, dst: Tier, step: int) -> bool:
+        """True when ``dst`` lacks ``step`` and its retention policy would keep it."""
+        steps = dst.store.steps()
+        if step in steps:
+            return False
+        return step in dst.keep.keep(sorted({*steps, step}))
+
+    # -- retention ----------------------------------------------------------------------------
+    def _pin(self, hashes: Iterable[str], delta: int) -> None:
+        with self._pin_lock:
+            for h in hashes:
+                self._pins[h] += delta
+                if self._pins[h] <= 0:
+                    del self._pins[h]
+
+    def pinned(self) -> set[str]:
+        with self._pin_lock:
+            pins = set(self._pins)
+        return pins | self._extra_pins()
+
+    def retain(self, tier: Tier) -> None:
+        """Apply ``tier``'s retention and collect its garbage, sparing every pinned chunk."""
+        with self._gc_lock:
+            deleted = apply_retention(tier.store, tier.keep)
+            if not deleted:
+                return
+            res = collect_garbage(tier.store, pinned=self.pinned())
+        self.journal.append(
+            "gc",
+            tier=tier.name,
+            steps_deleted=list(deleted),
+            chunks_deleted=res.chunks_deleted,
+            bytes_deleted=res.bytes_deleted,
+        )
+
+    # -- restoring ----------------------------------------------------------------------------
+    def holders(self) -> dict[int, list[Tier]]:
+        """``{step: tiers holding it, fastest first}``; an unreachable tier is skipped."""
+        out: dict[int, list[Tier]] = {}
+        for t in self.tiers:
+            try:
+                steps = t.store.steps()
+            except FlashCkptError as exc:
+                msg = f"tier {t.name} ({t.url}) is unavailable, skipping it: {exc}"
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                self.journal.append("tier_unavailable", tier=t.name, error=str(exc))
+                continue
+            for s in steps:
+                out.setdefault(s, []).append(t)
+        return out
+
+    def steps(self) -> list[int]:
+        return sorted(self.holders())
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def close(self, timeout_s: float | None) -> bool:
+        """Wait for promotions (up to ``timeout_s``), stop the promoter, release tier locks."""
+        ok = True
+        try:
+            ok = self.promoter.drain(timeout_s)
+            if not ok:
+                log.warning(
+                    "promotions still pending after %.1fs: %s", timeout_s, self.promoter.pending()
+                )
+        finally:
+            self.promoter.stop()
+            for t in self.tiers:
+                if t.lock is not None:
+                    t.lock.release()
+        return ok
+
+    def restore(self, step: int, tiers: list[Tier], load: Callable[[Tier], None]) -> Tier:
+        """Run ``load(tier)`` on the fastest copy of ``step`` that is valid; a damaged or
+        unreachable copy is journaled and the next tier's copy is tried. Then queue promotion
+        of ``step`` to the slower tiers that lack it (a memory-only checkpoint after a crash).
+        Raises the last tier's error when no copy loads."""
+        if not tiers:
+            raise NoCheckpointError(f"no checkpoint for step {step} in any tier")
+        for i, tier in enumerate(tiers):
+            try:
+                load(tier)
+            except (CorruptCheckpointError, StorageError) as exc:
+                event = "corrupt" if isinstance(exc, CorruptCheckpointError) else "tier_unavailable"
+                self.journal.append(event, step=step, tier=tier.name, error=str(exc))
+                if i + 1 == len(tiers):
+                    raise
+                nxt = tiers[i + 1].name
+                msg = f"step {step}: the {tier.name} copy failed ({exc}); trying the {nxt} copy"
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+                log.warning(msg)
+                continue
+            try:
+                self.committed(step, tier)
+            except FlashCkptError as exc:
+                log.warning("cannot queue promotion of restored step %d: %s", step, exc)
+            return tier
+        raise NoCheckpointError(f"no checkpoint for step {step} in any tier")  # pragma: no cover
+
+
+def list_tiers(
+    root: str | os.PathLike[str], *, memory_tier: str | None = None, remote: str | None = None
+) -> dict[int, list[tuple[str, CheckpointStore]]]:
+    """``{step: [(tier name, store), ...] fastest first}`` for the tiers recorded in
+    ``root/tiers.json`` (overridden by ``memory_tier`` / ``remote``). Read-only; an unreachable
+    tier is reported with a warning and skipped."""
+    p = Path(root).expanduser()
+    cfg = read_config(p)
+    if not cfg and not (p / "steps").is_dir():
+        raise ConfigError(f"{root} is not a flashckpt checkpoint root (no steps/ or {CONFIG_NAME})")
+    cfg["local"] = str(p)
+    if memory_tier is not None:
+        cfg["memory"] = memory_tier
+    if remote is not None:
+        cfg["remote"] = remote
+    out: dict[int, list[tuple[str, CheckpointStore]]] = {}
+    for name in ORDER:
+        if name not in cfg:
+            continue
+        try:
+            store = open_tier_store(name, cfg[name])
+            steps = store.steps()
+        except FlashCkptError as exc:
+            warnings.warn(f"{name} tier {cfg[name]} is unavailable: {exc}", stacklevel=2)
+            continue
+        for s in steps:
+            out.setdefault(s, []).append((name, store))
+    return out

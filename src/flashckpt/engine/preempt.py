@@ -3,17 +3,18 @@ clean, bounded shutdown that loses nothing.
 
 The signal handler does almost nothing, on purpose: it records the time, sets
 ``Checkpointer.preempted`` and journals ``preempted``. Saves and promotions already in flight keep
-running in their background threads. The remaining work happens at the next *safe point* of the
-training loop, where the state is consistent (never in the middle of ``optimizer.step()``):
+running in their background threads. The rest happens at the next *safe point* of the training
+loop, where the state is consistent (never in the middle of ``optimizer.step()``):
 
-* ``ckpt.should_save(step)`` or ``ckpt.save(step, state)`` after the signal: wait for the
-  in-flight save, take the final save (``save``'s own state, or the ``emergency_save`` state at
-  ``should_save``'s step) into the fastest tier, wait for promotions until the grace period ends,
-  close the Checkpointer and raise :class:`Preempted` (a ``SystemExit`` with code 0), so
-  ``finally`` blocks and context managers run and the process exits 0.
-* a loop that checks ``if ckpt.preempted: break`` and then calls ``ckpt.close()`` gets the same
-  bounded wait without the exception (``close()`` takes the emergency save first when the step is
-  known from ``should_save``).
+* ``should_save(step)`` / ``save(step, state)`` after the signal wait for the in-flight save,
+  take the final save if configured, wait for promotions until the grace period ends, close the
+  Checkpointer and raise :class:`Preempted` (a ``SystemExit`` with code 0): ``finally`` blocks
+  and context managers run and the process exits 0.
+* ``emergency_save=None``: no new save starts after the signal. ``True``: ``should_save``
+  returns True once so the loop's own ``save(step, state)`` becomes the final save (into the
+  fastest tier). A mapping, or a callable returning one: saved at ``should_save``'s step.
+* A loop that checks ``if ckpt.preempted: break`` and then calls ``ckpt.close()`` gets the same
+  bounded wait without the exception.
 """
 
 from __future__ import annotations

@@ -151,3 +151,38 @@ def test_bad_state_and_step(tmp_path, make_state):
             ckpt.save(1, [1, 2])  # type: ignore[arg-type]
         with pytest.raises(flashckpt.ConfigError, match="should_save"):
             ckpt.should_save(1)
+
+
+def test_second_writer_in_same_process_is_refused(tmp_path):
+    with flashckpt.Checkpointer(tmp_path):
+        with pytest.raises(flashckpt.LockedError, match="this process"):
+            flashckpt.Checkpointer(tmp_path)
+    flashckpt.Checkpointer(tmp_path).close()  # released on close
+
+
+def test_lock_not_inherited_by_forked_children(tmp_path):
+    """A DataLoader worker (a fork) of a killed trainer must not keep the root locked."""
+    import os
+    import signal
+    import time
+
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time, flashckpt
+        ck = flashckpt.Checkpointer({str(tmp_path)!r})
+        if os.fork() == 0:
+            time.sleep(30)  # the child lingers, like a worker of a dead trainer
+            os._exit(0)
+        print("ready", flush=True)
+        time.sleep(30)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.1)
+    try:
+        flashckpt.Checkpointer(tmp_path).close()  # would raise LockedError with flock()
+    finally:
+        subprocess.run(["pkill", "-f", str(tmp_path)], check=False)

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,19 @@ from flashckpt.engine.hooks import StepGate, find_optimizers, protected_pointers
 from flashckpt.engine.layout import plan_chunks
 from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options
+from flashckpt.engine.preempt import EmergencySave, Preemption
+from flashckpt.engine.promote import Promotion
 from flashckpt.engine.reader import read_plan
 from flashckpt.engine.save import Committer, SaveContext, SaveJob
 from flashckpt.engine.staging import StagingPool
+from flashckpt.engine.tiers import Tier, TierSet, build_tiers
 from flashckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     FlashCkptError,
     NoCheckpointError,
     SaveError,
+    StorageError,
 )
 from flashckpt.journal import JOURNAL_NAME, Journal, read_events
 from flashckpt.policy.retention import RetentionPolicy, as_retention
@@ -38,7 +43,6 @@ from flashckpt.state.capture import Captured, capture
 from flashckpt.state.restore import plan_restore
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.dtypes import itemsize
-from flashckpt.store.gc import apply_retention, collect_garbage
 from flashckpt.store.lock import WriterLock
 from flashckpt.store.store import CheckpointStore
 
@@ -71,6 +75,15 @@ class Checkpointer:
         overlap: bool = True,
         fsync: bool = True,
         save_policy: SavePolicy | int | None = None,
+        memory_tier: str | os.PathLike[str] | None = None,
+        keep_memory: RetentionPolicy | int | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, Any] | None = None,
+        keep_remote: RetentionPolicy | int | None = None,
+        promotion: Promotion | None = None,
+        handle_sigterm: bool = False,
+        grace_period_s: float = 30.0,
+        emergency_save: EmergencySave | None = None,
         process_group: Any = None,
         dist_timeout_s: float = 300.0,
     ) -> None:
@@ -99,6 +112,26 @@ class Checkpointer:
         self.journal = Journal(
             self.root / JOURNAL_NAME, rank=self._dist.rank if self._dist else None
         )
+        self._promotion = promotion or Promotion()
+        try:  # tiers (see engine/tiers.py): memory -> local (root) -> remote
+            tiers = build_tiers(
+                local=self.store,
+                local_root=self.root,
+                keep=self.keep,
+                memory_tier=memory_tier,
+                keep_memory=keep_memory,
+                remote=remote,
+                remote_options=remote_options,
+                keep_remote=keep_remote,
+                fsync=fsync,
+            )
+        except BaseException:
+            self._lock.release()
+            raise
+        self._tiers = TierSet(
+            tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._pinned
+        )
+        self._save_tier: Tier = self._tiers.fastest
         self._committer: Committer = self._commit_local
         self._pool = StagingPool(
             budget_bytes=self.options.host_memory_budget_bytes, slot_bytes=self.options.chunk_bytes
@@ -119,6 +152,12 @@ class Checkpointer:
         self.save_policy = as_save_policy(save_policy)
         self._meter = RunMeter()
         self._start_run()
+        self._preempt: Preemption | None = None
+        if handle_sigterm:  # see engine/preempt.py
+            self._preempt = Preemption(
+                grace_period_s=grace_period_s, emergency_save=emergency_save, journal=self.journal
+            )
+            self._preempt.install()
 
     # -- lifecycle ------------------------------------------------------------------------
     def _start_run(self) -> None:
@@ -147,6 +186,8 @@ class Checkpointer:
         """Wait until the last save is durable, release everything, raise a pending error."""
         if self._closed:
             return
+        if self._preempt is not None and self._preempt.triggered:  # SIGTERM: bounded final work
+            self._preempt.final_save(self, step=None, state=None)
         self._closed = True
         try:
             self._wait_current()
@@ -154,6 +195,11 @@ class Checkpointer:
             self._gate.remove()
             self._stager.shutdown(wait=True)
             self._workers.shutdown(wait=True)
+            p = self._preempt
+            preempted = p is not None and p.signal_t is not None
+            self._tiers.close(p.time_left() if p and preempted else self._promotion.close_timeout_s)
+            if self._preempt is not None:
+                self._preempt.uninstall()
             self.journal.append("run_end", step=self.last_step)
             (self.root / MARKER).unlink(missing_ok=True)
             self._lock.release()
@@ -164,10 +210,22 @@ class Checkpointer:
         self._wait_current()
         self._raise_pending()
 
+    def wait_promoted(self, timeout_s: float | None = None) -> bool:
+        """Block until the in-flight save is durable and every queued promotion to slower tiers
+        finished (or gave up); False when ``timeout_s`` ran out first."""
+        self._wait_current()
+        self._stager.submit(lambda: None).result()  # its durable callback queued the promotion
+        return self._tiers.promoter.drain(timeout_s)
+
     # -- queries --------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        return self.store.steps()
+        """Committed steps in any tier, oldest first."""
+        return self._tiers.steps()
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (``handle_sigterm=True``); see engine/preempt.py."""
+        return self._preempt is not None and self._preempt.signal_t is not None
 
     def should_save(self, step: int) -> bool:
         """Call once per training step with the step just completed: True when the save policy
@@ -177,6 +235,8 @@ class Checkpointer:
                 "should_save() needs a save policy: Checkpointer(..., save_policy=100) saves every "
                 "100 steps; flashckpt.policy.Auto(mtbf_s=...) picks the interval from measurements"
             )
+        if self._preempt is not None and self._preempt.at_should_save(self, step):
+            return True
         now = time.time()
         step_time = self._meter.tick(step, now)
         if step_time is not None and self._meter.journal_due():
@@ -193,6 +253,8 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        if self._preempt is not None:
+            self._preempt.at_save(self, step, state)
         t0 = time.perf_counter()
         self._raise_pending()
         if self._current is not None and not self._current.done():
@@ -224,6 +286,7 @@ class Checkpointer:
 
     def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
         o = self.options
+        self._save_tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
         items = captured.items
         sizes = [itemsize(i.kind, i.dtype) for i in items]
         chunks = plan_chunks(
@@ -244,7 +307,7 @@ class Checkpointer:
             event = torch.cuda.Event()
             event.record()
         ctx = SaveContext(
-            store=self.store,
+            store=self._save_tier.store,
             pool=self._pool if use_pool else None,
             workers=self._workers,
             compression=o.compression,
@@ -257,8 +320,9 @@ class Checkpointer:
             cuda_event=event,
         )
         if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
+            retain = lambda: self._retain(handle.step)  # noqa: E731
             return self._dist.job(
-                retain=self._retain, ctx=ctx, handle=handle, captured=captured, chunks=chunks
+                retain=retain, ctx=ctx, handle=handle, captured=captured, chunks=chunks
             )
         return SaveJob(
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, committer=self._committer
@@ -304,7 +368,7 @@ class Checkpointer:
         self.journal.append(
             "durable",
             step=s.step,
-            tier="local",
+            tier=self._save_tier.name,
             background_s=s.background_s,
             total_bytes=s.total_bytes,
             new_bytes=s.new_bytes,
@@ -315,24 +379,21 @@ class Checkpointer:
         )
         try:
             if self._dist is None:  # distributed: rank 0 retains inside the commit
-                self._retain()
+                self._retain(handle.step)
         except FlashCkptError as exc:
             log.warning("retention after step %d failed: %s", handle.step, exc)
 
-    def _retain(self) -> None:
-        deleted = apply_retention(self.store, self.keep)
-        if deleted:
-            pinned = self._current_job.pinned_hashes if self._current_job else set()
-            res = collect_garbage(self.store, pinned=pinned)
-            self.journal.append(
-                "gc",
-                steps_deleted=list(deleted),
-                chunks_deleted=res.chunks_deleted,
-                bytes_deleted=res.bytes_deleted,
-            )
+    def _pinned(self) -> set[str]:
+        job = self._current_job
+        return job.pinned_hashes if job is not None else set()
+
+    def _retain(self, step: int) -> None:
+        """Queue promotion to the slower tiers, then apply the save tier's retention + gc."""
+        self._tiers.committed(step, self._save_tier)
+        self._tiers.retain(self._save_tier)
 
     def _commit_local(self, manifest: Any, chunk_dirs: list[str]) -> None:
-        self.store.commit(manifest, chunk_dirs=chunk_dirs)
+        self._save_tier.store.commit(manifest, chunk_dirs=chunk_dirs)
 
     def _wait_staged(self) -> None:
         handle = self._current
@@ -378,41 +439,46 @@ class Checkpointer:
         """
         self._check_open()
         self._wait_current()
+        holders = self._tiers.holders()  # every tier's copies, fastest first (engine/tiers.py)
         if self._dist is not None:  # every rank loads the same step (dist/restore.py)
             return self._dist.restore(
                 self.store,
                 self.journal,
                 state,
                 step=step,
-                steps=self.steps(),
-                load=lambda s: self._restore_step(state, s, strict),
+                steps=sorted(holders),
+                load=lambda s: self._tiers.restore(
+                    s, holders.get(s, []), lambda t: self._restore_step(state, s, strict, t)
+                ),
             )
         if step is not None:
-            self._restore_step(state, step, strict)
+            load = partial(self._restore_step, state, step, strict)
+            self._tiers.restore(step, holders.get(step, []), load)
             return step
-        for candidate in reversed(self.steps()):
+        for candidate in sorted(holders, reverse=True):
             try:
-                self._restore_step(state, candidate, strict)
+                load = partial(self._restore_step, state, candidate, strict)
+                self._tiers.restore(candidate, holders[candidate], load)
                 return candidate
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, StorageError) as exc:
                 warnings.warn(f"skipping damaged checkpoint step {candidate}: {exc}", stacklevel=2)
-                self.journal.append("corrupt", step=candidate, tier="local", error=str(exc))
         return None
 
-    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool) -> None:
+    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool, tier: Tier) -> None:
         t0 = time.perf_counter()
         try:
-            manifest = self.store.load_manifest(step)
+            manifest = tier.store.load_manifest(step)
         except NoCheckpointError:
             raise
         plan = plan_restore(state, manifest, strict=strict, rank=self.rank)
         with ThreadPoolExecutor(self.options.readers, thread_name_prefix="flashckpt-read") as ex:
-            loaded = read_plan(self.store, manifest, plan, ex)
+            loaded = read_plan(tier.store, manifest, plan, ex)
         plan.finish(loaded)
         self.last_step = step
         self._meter.saved(step, time.time())
+        seconds = time.perf_counter() - t0
         self.journal.append(
-            "restore", step=step, tier="local", seconds=time.perf_counter() - t0, bytes=plan.nbytes
+            "restore", step=step, tier=tier.name, seconds=seconds, bytes=plan.nbytes
         )
 
 

@@ -86,3 +86,10 @@ def test_sigkill_mid_save(tmp_path, trial):
     assert newest >= before[-1], "an older checkpoint was lost"
     if last_durable is not None:
         assert newest >= last_durable, "a save reported durable was lost"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(20, 220))
+def test_sigkill_mid_save_long(tmp_path, trial):
+    """The same property over 200 more random kill instants (make test-slow)."""
+    test_sigkill_mid_save(tmp_path, trial)

@@ -25,9 +25,8 @@ def root(tmp_path, make_state):
 
 def test_help_everywhere():
     for cmd in ([], ["ls"], ["inspect"], ["verify"], ["gc"], ["diff"], ["export"]):
-        out = subprocess.run(
-            [sys.executable, "-m", "flashckpt.cli", *cmd, "--help"], capture_output=True, text=True, timeout=60
-        )
+        argv = [sys.executable, "-m", "flashckpt.cli", *cmd, "--help"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "usage: flashckpt" in out.stdout, (cmd, out.stderr)
 
 
@@ -61,7 +60,8 @@ def test_gc_and_not_a_root(root, tmp_path, capsys):
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_export_loads_without_flashckpt(root, tmp_path, fmt, make_state):
     out = tmp_path / f"model.{fmt}"
-    assert main(["export", str(root), str(out), "--format", fmt, "--prefix", "model", "--step", "2"]) == 0
+    argv = ["export", str(root), str(out), "--format", fmt, "--prefix", "model", "--step", "2"]
+    assert main(argv) == 0
     code = (
         "import sys; sys.modules['flashckpt'] = None\n"
         "import torch\n"

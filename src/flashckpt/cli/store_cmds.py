@@ -170,16 +170,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
         store.load_manifest(pick_step(store, args.a)),
         store.load_manifest(pick_step(store, args.b)),
     )
-    rows = [("key", "change", "bytes changed")]
-    for key in sorted(set(ma.tensors) | set(mb.tensors)):
-        if key not in ma.tensors or key not in mb.tensors:
-            rows.append((key, "added" if key in mb.tensors else "removed", "-"))
-            continue
-        changed, total = _changed_bytes(ma, mb, key)
-        if changed:
-            rows.append(
-                (key, f"{changed / total:.1%}" if total else "shape", format_bytes(changed))
-            )
+    rows = [("key", "changed", "max |diff|")]
+    both = sorted(set(ma.tensors) & set(mb.tensors))
+    for key in sorted(set(ma.tensors) ^ set(mb.tensors)):
+        rows.append((key, "added" if key in mb.tensors else "removed", "-"))
+    rows += _changed(store, ma, mb, [k for k in both if ma.tensors[k].kind == "torch"])
     if len(rows) == 1:
         print(f"steps {args.a} and {args.b} hold identical tensors")
         return 0
@@ -188,20 +183,34 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _changed_bytes(ma: Manifest, mb: Manifest, key: str) -> tuple[int, int]:
-    """Bytes of ``key`` whose chunk differs (chunk granularity, no data read)."""
-    ea, eb = ma.tensors[key], mb.tensors[key]
-    if ea.global_shape != eb.global_shape or ea.dtype != eb.dtype:
-        return ea.nbytes or 1, 0
+def _changed(
+    store: CheckpointStore, ma: Manifest, mb: Manifest, keys: list[str]
+) -> list[tuple[str, str, str]]:
+    """Rows for tensors whose bytes differ. Chunk hashes rule out unchanged tensors without
+    reading; the rest are read and compared element-wise."""
+    from flashckpt.engine.reader import read_tensors
 
-    def spans(m: Manifest, e: Any) -> list[tuple[str, int, int]]:
+    def spans(m: Manifest, key: str) -> list[tuple[str, int, int]]:
+        e = m.tensors[key]
         return [(m.chunks[x.chunk].hash, x.offset, x.length) for s in e.shards for x in s.extents]
 
-    sa, sb = spans(ma, ea), spans(mb, eb)
-    if len(sa) != len(sb):
-        return ea.nbytes, ea.nbytes
-    changed = sum(x[2] for x, y in zip(sa, sb) if x[0] != y[0])
-    return changed, ea.nbytes
+    suspects = [k for k in keys if spans(ma, k) != spans(mb, k)]
+    ta, tb = read_tensors(store, ma, suspects), read_tensors(store, mb, suspects)
+    rows = []
+    for key in suspects:
+        a, b = ta[key], tb[key]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            rows.append((key, f"{list(a.shape)} {a.dtype} -> {list(b.shape)} {b.dtype}", "-"))
+            continue
+        diff = a != b
+        n = int(diff.sum())
+        if n == 0:
+            continue
+        delta = "-"
+        if a.is_floating_point():
+            delta = f"{float((a.double() - b.double()).abs().max()):.3g}"
+        rows.append((key, f"{n / max(a.numel(), 1):.1%} of {a.numel()} elements", delta))
+    return rows
 
 
 def _summarize_tree(tree: Any, depth: int = 0) -> str:

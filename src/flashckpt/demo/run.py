@@ -63,7 +63,7 @@ def run_demo(*, out: Path, steps: int = 200, every: int = 20, crash_at: int | No
         f"memory tier {cfg['memory']} and disk tier {cfg['disk']}; crash planned at step {crash_at}"
     )
     before = _train(cfg_path, cfg, kill_at=crash_at)
-    say(f"\n[3/4] resuming in a new process (the memory tier survived the crash)")
+    say("\n[3/4] resuming in a new process (the memory tier survived the crash)")
     after = _train(cfg_path, cfg, kill_at=None)
     ok = _compare(before, after)
     show_report(cfg, out)
@@ -105,7 +105,8 @@ def _train(cfg_path: Path, cfg: dict[str, Any], *, kill_at: int | None) -> dict[
 def _progress(rec: dict[str, Any], cfg: dict[str, Any], t0: float) -> None:
     step = rec["step"]
     save = f" · saved (blocked {rec['save_ms']:.1f} ms)" if rec.get("save_ms") else ""
-    line = f"  step {step:4d}/{cfg['steps']} · loss {rec['loss']:.4f} · {time.monotonic() - t0:5.1f}s{save}"
+    elapsed = time.monotonic() - t0
+    line = f"  step {step:4d}/{cfg['steps']} · loss {rec['loss']:.4f} · {elapsed:5.1f}s{save}"
     if sys.stdout.isatty() and not save:
         print("\r" + line, end="", flush=True)
     elif save or step % 25 == 0:

@@ -17,7 +17,7 @@ import torch
 
 from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine.fingerprint import Fingerprinter
-from flashckpt.engine.handle import SaveHandle, SaveStats
+from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
 from flashckpt.engine.hooks import StepGate, find_optimizers, protected_pointers
 from flashckpt.engine.layout import plan_chunks
 from flashckpt.engine.meter import RunMeter
@@ -33,7 +33,6 @@ from flashckpt.errors import (
     CorruptCheckpointError,
     FlashCkptError,
     NoCheckpointError,
-    SaveError,
     StorageError,
 )
 from flashckpt.journal import JOURNAL_NAME, Journal, read_events
@@ -145,7 +144,7 @@ class Checkpointer:
         self._gate = StepGate(self._wait_staged)
         self._current: SaveHandle | None = None
         self._current_job: SaveJob | None = None
-        self._error: BaseException | None = None
+        self._error: tuple[SaveHandle, BaseException] | None = None
         self._mutex = threading.Lock()
         self._closed = False
         self.last_step: int | None = None
@@ -277,11 +276,14 @@ class Checkpointer:
             self._gate.install(optimizers)
         else:
             job.run()
+            handle.error_delivered = True  # a synchronous save raises right here
+            self._finish(handle)
         handle.add_blocking(time.perf_counter() - t0)
         self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
         if not self.options.async_save:
-            self._finish(handle)
-            handle.durable.result()
+            exc = handle.durable.exception()
+            if exc is not None:
+                raise as_save_error(exc, handle.step)
         return handle
 
     def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
@@ -350,15 +352,8 @@ class Checkpointer:
         """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping."""
         exc = handle.durable.exception()
         if exc is not None:
-            err = (
-                exc
-                if isinstance(exc, FlashCkptError)
-                else SaveError(f"checkpoint step {handle.step} failed: {exc}")
-            )
-            if err is not exc:
-                err.__cause__ = exc
             with self._mutex:
-                self._error = self._error or err
+                self._error = self._error or (handle, as_save_error(exc, handle.step))
             self.journal.append("save_failed", step=handle.step, error=str(exc))
             log.error("checkpoint step %d failed: %s", handle.step, exc)
             return
@@ -419,9 +414,10 @@ class Checkpointer:
 
     def _raise_pending(self) -> None:
         with self._mutex:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
+            pending, self._error = self._error, None
+        if pending is not None and not pending[0].error_delivered:
+            pending[0].error_delivered = True
+            raise pending[1]
 
     def _check_open(self) -> None:
         if self._closed:

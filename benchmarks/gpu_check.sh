@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS CMD...
 
 part pytest_gpu 50 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
 part save_bench 100 "$PY" benchmarks/save_bench.py --gpu --size-gb 1.2 --repeats 2 \
-  --parts save,rss --dir "$BENCH_DIR" --out "$OUT/save_bench.json"
+  --parts save,rss,gil --dir "$BENCH_DIR" --out "$OUT/save_bench.json"
 part loop_bench 80 "$PY" benchmarks/loop_bench.py --gpu --dir "$BENCH_DIR" --out "$OUT/loop_bench.json"
 part memory_accuracy 60 "$PY" benchmarks/memory_accuracy.py --time-limit-s 45 \
   --out "$OUT/memory_accuracy.json"

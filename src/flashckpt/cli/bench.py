@@ -84,8 +84,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         loop = {"steps": 150, "every": 50, "n_embd": 1024, "n_head": 8, "n_layer": 8,
                 "batch": 16, "block": 256}  # fmt: skip
     else:
-        loop = {"steps": 40, "every": 10, "n_embd": 256, "n_head": 4, "n_layer": 4, "batch": 8,
-                "block": 64}  # fmt: skip
+        loop = {"steps": 60, "every": 10, "n_embd": 512, "n_head": 8, "n_layer": 6, "batch": 4,
+                "block": 32}  # fmt: skip
     return Plan(size_bytes=size, repeats=args.repeats, device=device,
                 rss_bytes=min(size // 8, 128 * MiB), rss_saves=40,
                 gil_bytes=min(size // 2, 512 * MiB), loop=loop)  # fmt: skip

@@ -328,6 +328,8 @@ def measure(b: Bench, name: str, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "blocking_s": statistics.median(s.blocking_s for s in samples),
         "durable_s": statistics.median(s.durable_s for s in samples),
+        "min_blocking_s": min(s.blocking_s for s in samples),
+        "min_durable_s": min(s.durable_s for s in samples),
         "samples_durable_s": [round(s.durable_s, 4) for s in samples],
     }
     if samples[0].returned_s is not None:

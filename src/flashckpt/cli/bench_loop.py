@@ -45,6 +45,7 @@ class LoopConfig:
     n_layer: int = 4
     batch: int = 8
     block: int = 128
+    threads: int = 1  # intra-op threads of the training thread on CPU
 
 
 # -- training loop ----------------------------------------------------------------------------
@@ -135,6 +136,18 @@ def _loop(cfg: LoopConfig, model: GPT, opt: Any, method: str) -> dict[str, Any]:
 
 
 def run_loop_bench(cfg: LoopConfig) -> dict[str, Any]:
+    """On CPU the training thread uses ``cfg.threads`` intra-op threads (default 1: with two
+    OpenMP threads on a busy 2-core host a step took 4x longer and varied wildly)."""
+    threads = torch.get_num_threads()
+    if cfg.device == "cpu":
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_loop_bench(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_loop_bench(cfg: LoopConfig) -> dict[str, Any]:
     torch.manual_seed(0)
     gcfg = GPTConfig(
         vocab_size=96,
@@ -164,6 +177,7 @@ def run_loop_bench(cfg: LoopConfig) -> dict[str, Any]:
         "device": cfg.device,
         "steps": cfg.steps,
         "every": cfg.every,
+        "torch_threads": cfg.threads if cfg.device == "cpu" else torch.get_num_threads(),
         "baseline_runs_s": [r["loop_s"] for r in runs["none"]],
         "methods": methods,
     }

@@ -7,9 +7,13 @@ from typing import Any
 MiB = 1 << 20
 
 
-def _target(name: str, value: float | None, limit: float, how: str) -> dict[str, Any]:
+def _target(
+    name: str, value: float | None, limit: float, how: str, best: float | None = None
+) -> dict[str, Any]:
+    """``value``: the ratio of medians (decides PASS/FAIL); ``best``: the ratio of minimums,
+    shown because a shared host adds seconds of noise to single samples."""
     ok = None if value is None else value <= limit
-    return {"target": name, "value": value, "limit": limit, "how": how, "pass": ok}
+    return {"target": name, "value": value, "best": best, "limit": limit, "how": how, "pass": ok}
 
 
 def _get(d: dict[str, Any], *keys: str) -> Any:
@@ -28,6 +32,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each issue-3 target as a ratio measured in this run (None: the part did not run)."""
     m = _get(result, "save", "methods") or {}
     fa = m.get("flashckpt_async", {})
+
+    def best(a: str, b: str, key: str = "min_durable_s") -> float | None:
+        return _ratio(_get(m, a, key), _get(m, b, key))
+
     rows = [
         _target(
             "blocking <= 0.2x dcp.async_save blocking",
@@ -40,24 +48,28 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             _ratio(fa.get("blocking_s"), _get(m, "dcp_async_save", "blocking_s")),
             0.2,
             "flashckpt async time to staged / dcp.async_save blocking",
+            best("flashckpt_async", "dcp_async_save", "min_blocking_s"),
         ),
         _target(
             "time to durable <= 1.25x raw write",
             _ratio(fa.get("durable_s"), _get(m, "raw_write", "durable_s")),
             1.25,
             "flashckpt async durable / raw sequential write + fsync",
+            best("flashckpt_async", "raw_write"),
         ),
         _target(
             "sync save <= dcp.save",
             _ratio(_get(m, "flashckpt_sync", "durable_s"), _get(m, "dcp_save", "durable_s")),
             1.0,
             "flashckpt sync / dcp.save",
+            best("flashckpt_sync", "dcp_save"),
         ),
         _target(
             "unchanged re-save <= 0.1x full save",
             _ratio(_get(m, "flashckpt_incremental", "durable_s"), fa.get("durable_s")),
             0.1,
             "flashckpt incremental re-save durable / flashckpt async full save durable",
+            best("flashckpt_incremental", "flashckpt_async"),
         ),
     ]
     loop = _get(result, "loop", "methods") or {}
@@ -114,14 +126,16 @@ def _save_table(save: dict[str, Any]) -> list[str]:
         f"State: {save['state_bytes'] / 1e9:.2f} GB on {save['device']}, median of "
         f"{save['repeats']}; page cache dropped: {save['caches_dropped']}",
         "",
-        "| method | blocking s | call returns s | durable s | durable / raw write | GB/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | blocking s | call returns s | durable s | best durable s | durable / raw "
+        "write | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in m.items():
         gbps = save["state_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
         lines.append(
             f"| {name} | {_f(r['blocking_s'])} | {_f(r.get('returned_s'))} | "
-            f"{_f(r['durable_s'])} | {_f(_ratio(r['durable_s'], raw), 2)} | {_f(gbps, 2)} |"
+            f"{_f(r['durable_s'])} | {_f(r.get('min_durable_s'))} | "
+            f"{_f(_ratio(r['durable_s'], raw), 2)} | {_f(gbps, 2)} |"
         )
     return lines
 
@@ -181,8 +195,13 @@ def render(result: dict[str, Any]) -> str:
         lines += [*_gil_lines(result["gil"]), ""]
     if "loop" in result:
         lines += [*_loop_table(result["loop"]), ""]
-    lines += ["| target | ratio | limit | result |", "|---|---:|---:|---|"]
+    lines += [
+        "| target | ratio (medians) | ratio (best runs) | limit | result |",
+        "|---|---:|---:|---:|---|",
+    ]
     for t in result["targets"]:
         res = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
-        lines.append(f"| {t['target']} | {_f(t['value'])} | {t['limit']} | {res} |")
+        lines.append(
+            f"| {t['target']} | {_f(t['value'])} | {_f(t.get('best'))} | {t['limit']} | {res} |"
+        )
     return "\n".join(lines)

@@ -6,47 +6,34 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
-from flashckpt.engine.hooks import StepGate, find_optimizers, protected_pointers
-from flashckpt.engine.layout import plan_chunks
+from flashckpt.engine.hooks import StepGate, copy_unprotected, find_optimizers, protected_pointers
+from flashckpt.engine.lifecycle import end_run, start_run
+from flashckpt.engine.load import load_step, restore_newest
 from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
-from flashckpt.engine.reader import read_plan
-from flashckpt.engine.save import Committer, SaveContext, SaveJob
+from flashckpt.engine.save import Committer, SaveJob, build_context
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.tiers import Tier, TierSet, build_tiers
-from flashckpt.errors import (
-    ConfigError,
-    CorruptCheckpointError,
-    FlashCkptError,
-    NoCheckpointError,
-    StorageError,
-)
-from flashckpt.journal import JOURNAL_NAME, Journal, read_events
+from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
 from flashckpt.policy.save import SavePolicy, as_save_policy
 from flashckpt.state.capture import Captured, capture
-from flashckpt.state.restore import plan_restore
 from flashckpt.store.backend import LocalBackend
-from flashckpt.store.dtypes import itemsize
 from flashckpt.store.lock import WriterLock
 from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
-MARKER = "locks/running.json"
 
 
 class Checkpointer:
@@ -150,30 +137,13 @@ class Checkpointer:
         self.last_step: int | None = None
         self.save_policy = as_save_policy(save_policy)
         self._meter = RunMeter()
-        self._start_run()
+        start_run(self.root, self.journal, self.store, self.save_policy)
         self._preempt: Preemption | None = None
         if handle_sigterm:  # see engine/preempt.py
             self._preempt = Preemption(
                 grace_period_s=grace_period_s, emergency_save=emergency_save, journal=self.journal
             )
             self._preempt.install()
-
-    # -- lifecycle ------------------------------------------------------------------------
-    def _start_run(self) -> None:
-        marker = self.root / MARKER
-        if marker.exists():
-            steps = self.store.steps()
-            self.journal.append(
-                "crash_detected",
-                last_step=steps[-1] if steps else None,
-                since_t=marker.stat().st_mtime,
-            )
-        self.journal.append("run_start", clean_previous=not marker.exists())
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f'{{"pid": {os.getpid()}, "t": {time.time()}}}')
-        observe = getattr(self.save_policy, "observe_history", None)
-        if observe is not None:
-            observe(read_events(self.root / JOURNAL_NAME))
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -199,8 +169,7 @@ class Checkpointer:
             self._tiers.close(p.time_left() if p and preempted else self._promotion.close_timeout_s)
             if self._preempt is not None:
                 self._preempt.uninstall()
-            self.journal.append("run_end", step=self.last_step)
-            (self.root / MARKER).unlink(missing_ok=True)
+            end_run(self.root, self.journal, self.last_step)
             self._lock.release()
         self._raise_pending()
 
@@ -216,7 +185,6 @@ class Checkpointer:
         self._stager.submit(lambda: None).result()  # its durable callback queued the promotion
         return self._tiers.promoter.drain(timeout_s)
 
-    # -- queries --------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps in any tier, oldest first."""
         return self._tiers.steps()
@@ -246,7 +214,6 @@ class Checkpointer:
             self.journal.append("interval", **info)
         return decision
 
-    # -- save -----------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""
         self._check_open()
@@ -266,7 +233,7 @@ class Checkpointer:
             self._dist.split(captured, state)
         optimizers = find_optimizers(state) if self.options.async_save else []
         if optimizers and self.options.overlap:
-            _copy_unprotected(captured, protected_pointers(optimizers))
+            copy_unprotected(captured, protected_pointers(optimizers))
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
         self._meter.saved(step, time.time())
         job = self._job(handle, captured)
@@ -287,39 +254,17 @@ class Checkpointer:
         return handle
 
     def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
-        o = self.options
         self._save_tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
-        items = captured.items
-        sizes = [itemsize(i.kind, i.dtype) for i in items]
-        chunks = plan_chunks(
-            items,
-            chunk_bytes=o.chunk_bytes,
-            pack_bytes=min(o.pack_bytes, o.chunk_bytes),
-            pack_threshold_bytes=min(o.pack_threshold_bytes, o.chunk_bytes),
-            itemsizes=sizes,
-        )
-        on_device = any(c.device != "cpu" for c in chunks)
-        use_pool = o.async_save or on_device
-        if use_pool:
-            self._pool.reserve(
-                needed_bytes=captured.nbytes, pin=on_device and torch.cuda.is_available()
-            )
-        event = None
-        if on_device:
-            event = torch.cuda.Event()
-            event.record()
-        ctx = SaveContext(
+        chunks, ctx = build_context(
+            captured,
+            self.options,
             store=self._save_tier.store,
-            pool=self._pool if use_pool else None,
+            pool=self._pool,
             workers=self._workers,
-            compression=o.compression,
-            incremental=o.incremental,
-            fingerprinter=self._fingerprinter if on_device else None,
+            fingerprinter=self._fingerprinter,
             fingerprints=self._fingerprints,
-            library=_version(),
             rank=self.rank,
             world_size=self.world_size,
-            cuda_event=event,
         )
         if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
             retain = lambda: self._retain(handle.step)  # noqa: E731
@@ -360,18 +305,7 @@ class Checkpointer:
         s = handle.stats
         self.last_step = handle.step
         self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s)
-        self.journal.append(
-            "durable",
-            step=s.step,
-            tier=self._save_tier.name,
-            background_s=s.background_s,
-            total_bytes=s.total_bytes,
-            new_bytes=s.new_bytes,
-            reused_bytes=s.reused_bytes,
-            chunks_new=s.chunks_new,
-            chunks_reused=s.chunks_reused,
-            throughput_Bps=s.new_bytes / s.background_s if s.background_s else 0.0,
-        )
+        self.journal.append("durable", tier=self._save_tier.name, **s.durable_fields())
         try:
             if self._dist is None:  # distributed: rank 0 retains inside the commit
                 self._retain(handle.step)
@@ -423,7 +357,6 @@ class Checkpointer:
         if self._closed:
             raise FlashCkptError("this Checkpointer is closed; create a new one")
 
-    # -- restore --------------------------------------------------------------------------
     def restore(
         self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True
     ) -> int | None:
@@ -447,45 +380,22 @@ class Checkpointer:
                     s, holders.get(s, []), lambda t: self._restore_step(state, s, strict, t)
                 ),
             )
-        if step is not None:
-            load = partial(self._restore_step, state, step, strict)
-            self._tiers.restore(step, holders.get(step, []), load)
-            return step
-        for candidate in sorted(holders, reverse=True):
-            try:
-                load = partial(self._restore_step, state, candidate, strict)
-                self._tiers.restore(candidate, holders[candidate], load)
-                return candidate
-            except (CorruptCheckpointError, StorageError) as exc:
-                warnings.warn(f"skipping damaged checkpoint step {candidate}: {exc}", stacklevel=2)
-        return None
-
-    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool, tier: Tier) -> None:
-        t0 = time.perf_counter()
-        try:
-            manifest = tier.store.load_manifest(step)
-        except NoCheckpointError:
-            raise
-        plan = plan_restore(state, manifest, strict=strict, rank=self.rank)
-        with ThreadPoolExecutor(self.options.readers, thread_name_prefix="flashckpt-read") as ex:
-            loaded = read_plan(tier.store, manifest, plan, ex)
-        plan.finish(loaded)
-        self.last_step = step
-        self._meter.saved(step, time.time())
-        seconds = time.perf_counter() - t0
-        self.journal.append(
-            "restore", step=step, tier=tier.name, seconds=seconds, bytes=plan.nbytes
+        return restore_newest(
+            holders,
+            step,
+            lambda s, t: self._restore_step(state, s, strict, t),
+            self._tiers.restore,
         )
 
-
-def _copy_unprotected(captured: Captured, protected: set[int]) -> None:
-    """Copy now what training may change before the next optimizer step (buffers etc.)."""
-    for item in captured.items:
-        if item.kind == "numpy" or item.data.data_ptr() not in protected:
-            item.data = item.data.clone()
-
-
-def _version() -> str:
-    from flashckpt import __version__
-
-    return __version__
+    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool, tier: Tier) -> None:
+        load_step(
+            state,
+            step,
+            tier,
+            strict=strict,
+            rank=self.rank,
+            readers=self.options.readers,
+            journal=self.journal,
+        )
+        self.last_step = step
+        self._meter.saved(step, time.time())

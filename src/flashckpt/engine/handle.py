@@ -39,6 +39,20 @@ class SaveStats:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def durable_fields(self) -> dict[str, Any]:
+        """The ``durable`` journal event's fields (see journal.py)."""
+        return {
+            "step": self.step,
+            "blocking_s": self.blocking_s,
+            "background_s": self.background_s,
+            "total_bytes": self.total_bytes,
+            "new_bytes": self.new_bytes,
+            "reused_bytes": self.reused_bytes,
+            "chunks_new": self.chunks_new,
+            "chunks_reused": self.chunks_reused,
+            "throughput_Bps": self.new_bytes / self.background_s if self.background_s else 0.0,
+        }
+
 
 @dataclass(kw_only=True)
 class SaveHandle:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from flashckpt.state.capture import Captured
 from flashckpt.state.dtensor import is_dtensor
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,13 @@ def protected_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
                 if isinstance(v, torch.Tensor):
                     ptrs.add(_ptr(v))
     return ptrs
+
+
+def copy_unprotected(captured: Captured, protected: set[int]) -> None:
+    """Copy now what training may change before the next optimizer step (buffers etc.)."""
+    for item in captured.items:
+        if item.kind == "numpy" or item.data.data_ptr() not in protected:
+            item.data = item.data.clone()
 
 
 class StepGate:

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow lint typecheck bench gpu-check clean
+.PHONY: demo test test-slow lint typecheck bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ bench: $(STAMP)
 
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# Wheels the GPU machine needs but cannot download (it reaches no package index).
+gpu-wheels: $(STAMP)
+	for v in 3.10 3.11 3.12 3.13; do $(BIN)/pip download -q --only-binary=:all: --python-version $$v \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu_wheels \
+	  xxhash zstandard pytest pytest-timeout; done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -131,6 +131,9 @@ def _save_table(save: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in m.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:80]} | | | | | |")
+            continue
         gbps = save["state_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
         lines.append(
             f"| {name} | {_f(r['blocking_s'])} | {_f(r.get('returned_s'))} | "

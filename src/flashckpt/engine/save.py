@@ -209,14 +209,9 @@ class SaveJob:
                 buf[pos : pos + p.numel()].copy_(p, non_blocking=True)
                 pos += p.numel()
         self._stream.synchronize()
-        view = buf.numpy()
-        h = codecs.hash_parts([view])
-        if fp is not None:
-            self.ctx.fingerprints[region] = (fp, h)
-        if self._reuse(ci, h, chunk.size):
-            pool.release(slot)
-            return
-        self._submit(ci, h, chunk, [view], slot)
+        # the chunk is on the host: staged. Hashing (GIL-bound) happens in a persist worker so
+        # the optimizer hook waits only for the device-to-host copies.
+        self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp))
 
     def _require_pool(self) -> StagingPool:
         if self.ctx.pool is None:
@@ -227,8 +222,8 @@ class SaveJob:
         """Record chunk ``ci`` as ``h``; True when no write is needed."""
         self.hashes[ci] = h
         stats = self.handle.stats
-        stats.total_bytes += size
         with self._p.lock:
+            stats.total_bytes += size
             if h in self._p.refs:
                 stats.reused_bytes += size
                 return True
@@ -241,25 +236,51 @@ class SaveJob:
                 stats.chunks_reused += 1
                 return True
             self._p.refs[h] = ChunkRef(hash=h, size=size)  # claimed; final ref set on write
-        stats.new_bytes += size
-        stats.chunks_new += 1
+            stats.new_bytes += size
+            stats.chunks_new += 1
         return False
 
     # -- persisting -------------------------------------------------------------------------
-    def _submit(self, ci: int, h: str, chunk: ChunkPlan, bufs: list[Any], slot: int | None) -> None:
+    def _submit(
+        self,
+        ci: int,
+        h: str | None,
+        chunk: ChunkPlan,
+        bufs: list[Any],
+        slot: int | None,
+        fingerprint: tuple[Any, Any] | None = None,
+    ) -> None:
+        """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first)."""
         codec = codecs.choose_codec(self.ctx.compression, chunk.itemsize)
         try:
-            fut = self.ctx.workers.submit(self._persist, h, chunk.size, bufs, codec, slot)
+            fut = self.ctx.workers.submit(
+                self._persist, ci, h, chunk.size, bufs, codec, slot, fingerprint
+            )
         except BaseException:
             if slot is not None and self.ctx.pool is not None:
                 self.ctx.pool.release(slot)
             raise
         self._p.pending.append(fut)
 
-    def _persist(self, h: str, size: int, bufs: list[Any], codec: str, slot: int | None) -> None:
+    def _persist(
+        self,
+        ci: int,
+        h: str | None,
+        size: int,
+        bufs: list[Any],
+        codec: str,
+        slot: int | None,
+        fingerprint: tuple[Any, Any] | None,
+    ) -> None:
         try:
             if self._p.error is not None:
                 return
+            if h is None:
+                h = codecs.hash_parts(bufs)
+                if fingerprint is not None and fingerprint[1] is not None:
+                    self.ctx.fingerprints[fingerprint[0]] = (fingerprint[1], h)
+                if self._reuse(ci, h, size):
+                    return
             ref = self.ctx.store.put_chunk(h, size, bufs, codec)
             with self._p.lock:
                 self._p.refs[h] = ref

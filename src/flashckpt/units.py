@@ -1,50 +1,58 @@
-"""Byte sizes written the way people write them: ``"4GiB"``, ``"512MB"``, ``1 << 30``."""
+"""Byte quantities: parse ``"24GiB"``/``"80GB"``/ints and print them for humans (one place
+for the whole package: options, CLI, planner)."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 from flashckpt.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+
 _UNITS = {
     "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "k": 1 << 10,
-    "m": 1 << 20,
-    "g": 1 << 30,
-    "t": 1 << 40,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": 1024**4,
 }
-_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str, *, name: str = "size") -> int:
-    """``4096``, ``"4KiB"``, ``"1.5GB"`` -> bytes. Raises ConfigError naming ``name``."""
+def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
+    """``value`` in bytes; accepts ints and strings such as ``"4GiB"``, ``"80GB"``, ``"512MiB"``."""
     if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a byte count like 1073741824 or '1GiB', not a bool")
-    if isinstance(value, int):
+        raise ConfigError(f"{name} must be a byte count like 4096 or '4GiB', got {value!r}")
+    if isinstance(value, (int, float)):
         if value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value}")
-        return value
-    if isinstance(value, str):
-        m = _RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(
-        f"{name}={value!r} is not a size; use an int or a string like '512MiB' or '4GiB'"
-    )
+            raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{name}: cannot parse {value!r}; use an int or a number with a unit "
+            f"({', '.join(u for u in _UNITS if u)}), e.g. '24GiB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def format_bytes(num_bytes: float) -> str:
+    """``25769803776`` -> ``'24.00 GiB'`` (binary units, two decimals)."""
+    value = float(num_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit, scale in (("TiB", 1024**4), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if value >= scale:
+            return f"{sign}{value / scale:.2f} {unit}"
+    return f"{sign}{int(value)} B"

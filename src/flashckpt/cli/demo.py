@@ -26,10 +26,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.nproc > 1:
-        from flashckpt.demo.dist_demo import run_dist_demo
-
-        return run_dist_demo(out, nproc=args.nproc)
     from flashckpt.demo.run import run_demo
 
-    return run_demo(out=out, steps=args.steps, every=args.every, crash_at=args.crash_at)
+    return run_demo(
+        out=out, steps=args.steps, every=args.every, crash_at=args.crash_at, nproc=args.nproc
+    )

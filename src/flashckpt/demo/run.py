@@ -43,12 +43,16 @@ def default_config(out: Path, *, steps: int, every: int) -> dict[str, Any]:
     }
 
 
-def run_demo(*, out: Path, steps: int = 200, every: int = 20, crash_at: int | None = None) -> int:
+def run_demo(
+    *, out: Path, steps: int = 200, every: int = 20, crash_at: int | None = None, nproc: int = 1
+) -> int:
     out = out.absolute()
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} is not empty; pass --dir to a new directory or remove it")
     out.mkdir(parents=True, exist_ok=True)
     cfg = default_config(out, steps=steps, every=every)
+    if nproc > 1:  # FSDP2 over gloo ranks on this machine; the disk tier is shared by the ranks
+        cfg.update(nproc=nproc, memory=None, threads=1)
     crash_at = crash_at or int(steps * 0.65)
     say(
         f"flashckpt demo · {torch.__version__} · {'cuda' if torch.cuda.is_available() else 'cpu'} "
@@ -72,9 +76,17 @@ def run_demo(*, out: Path, steps: int = 200, every: int = 20, crash_at: int | No
 
 def _train(cfg_path: Path, cfg: dict[str, Any], *, kill_at: int | None) -> dict[int, float]:
     losses_path = Path(cfg["losses"])
-    seen = _read(losses_path)
-    offset = len(seen)
-    proc = subprocess.Popen([sys.executable, "-m", "flashckpt.demo.train", str(cfg_path)])
+    offset = len(_read(losses_path))
+    cmd = [sys.executable, "-m", "flashckpt.demo.train", str(cfg_path)]
+    if cfg.get("nproc", 1) > 1:
+        cmd[1:2] = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cfg['nproc']}",
+            "-m",
+        ]
+    proc = subprocess.Popen(cmd, start_new_session=True)  # its own group: kill every rank
     t0 = time.monotonic()
     losses: dict[int, float] = {}
     while True:
@@ -82,7 +94,8 @@ def _train(cfg_path: Path, cfg: dict[str, Any], *, kill_at: int | None) -> dict[
         for rec in lines:
             offset += 1
             if rec.get("event") == "start":
-                where = "from the memory tier" if rec["step"] else "(no checkpoint yet)"
+                tier = "the memory tier" if cfg["memory"] else "the disk tier"
+                where = f"from {tier}" if rec["step"] else "(no checkpoint yet)"
                 say(
                     f"  started at step {rec['step']} {where}; restore took {rec['restore_s']:.2f}s"
                 )
@@ -90,7 +103,7 @@ def _train(cfg_path: Path, cfg: dict[str, Any], *, kill_at: int | None) -> dict[
                 losses[rec["step"]] = rec["loss"]
                 _progress(rec, cfg, t0)
                 if kill_at is not None and rec["step"] >= kill_at:
-                    proc.send_signal(signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     say(f"\n  ✗ killed the training process with SIGKILL at step {rec['step']}")
                     return losses

@@ -9,6 +9,7 @@ losses file so the parent can watch (and kill) it. This is the three-line integr
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,15 +24,34 @@ from flashckpt.demo.model import GPT, GPTConfig
 from flashckpt.policy import EverySteps, KeepLast
 
 
+def _distributed() -> tuple[int, int]:
+    """Under torchrun (``--nproc 2``): gloo process group; returns (rank, world size)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def build(cfg: dict[str, Any]) -> tuple[GPT, torch.optim.Optimizer, Any, Any, DataLoader[Any]]:
     torch.manual_seed(cfg["seed"])
+    rank, world = _distributed()
     text = load_corpus()
     tok = CharTokenizer.from_text(text)
     data = CharDataset(tok.encode(text), block_size=cfg["block_size"], stride=cfg["block_size"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, **cfg["model"]))
+    if world > 1:  # FSDP2: every block and the root sharded across the ranks
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg["lr"], total_steps=cfg["steps"] + 1)
-    sampler = flashckpt.ResumableSampler(data, shuffle=True, seed=cfg["seed"])
+    sampler = flashckpt.ResumableSampler(
+        data, shuffle=True, seed=cfg["seed"], num_replicas=world, rank=rank
+    )
     loader = DataLoader(
         data,
         batch_size=cfg["batch_size"],
@@ -63,10 +83,11 @@ def main(config_path: str) -> int:
         keep=KeepLast(3),
         keep_memory=KeepLast(2),
     )
+    primary = int(os.environ.get("RANK", "0")) == 0
     t0 = time.perf_counter()
     start = ckpt.restore(state) or 0
     restore_s = time.perf_counter() - t0
-    log = open(cfg["losses"], "a")  # noqa: SIM115 - kept open for the whole run
+    log = open(cfg["losses"] if primary else os.devnull, "a")  # noqa: SIM115 - whole run
     log.write(json.dumps({"event": "start", "step": start, "restore_s": restore_s}) + "\n")
     log.flush()
     batches = sampler.wrap(loader)

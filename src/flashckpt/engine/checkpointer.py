@@ -15,7 +15,7 @@ from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
 from flashckpt.engine.hooks import StepGate, copy_unprotected, find_optimizers, protected_pointers
-from flashckpt.engine.lifecycle import end_run, start_run
+from flashckpt.engine.lifecycle import RunMarker
 from flashckpt.engine.load import load_step, restore_newest
 from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options
@@ -137,7 +137,8 @@ class Checkpointer:
         self.last_step: int | None = None
         self.save_policy = as_save_policy(save_policy)
         self._meter = RunMeter()
-        start_run(self.root, self.journal, self.store, self.save_policy)
+        self._marker = RunMarker(self.root, self.journal)
+        self._marker.start(self.store, self.save_policy)
         self._preempt: Preemption | None = None
         if handle_sigterm:  # see engine/preempt.py
             self._preempt = Preemption(
@@ -169,7 +170,7 @@ class Checkpointer:
             self._tiers.close(p.time_left() if p and preempted else self._promotion.close_timeout_s)
             if self._preempt is not None:
                 self._preempt.uninstall()
-            end_run(self.root, self.journal, self.last_step)
+            self._marker.end(self.last_step)
             self._lock.release()
         self._raise_pending()
 
@@ -205,6 +206,7 @@ class Checkpointer:
         if self._preempt is not None and self._preempt.at_should_save(self, step):
             return True
         now = time.time()
+        self._marker.tick(step)
         step_time = self._meter.tick(step, now)
         if step_time is not None and self._meter.journal_due():
             self.journal.append("step_time", step=step, seconds=step_time)
@@ -399,3 +401,4 @@ class Checkpointer:
         )
         self.last_step = step
         self._meter.saved(step, time.time())
+        self._marker.restored(step)

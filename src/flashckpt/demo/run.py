@@ -8,6 +8,7 @@ losses for them.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -62,12 +63,15 @@ def run_demo(
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
 
+    where = f"memory tier {cfg['memory']} and disk tier" if cfg["memory"] else "disk tier"
+    ranks = f" on {nproc} ranks (FSDP2 over gloo)" if nproc > 1 else ""
     say(
-        f"\n[2/4] training {steps} steps; async incremental checkpoint every {every} steps to "
-        f"memory tier {cfg['memory']} and disk tier {cfg['disk']}; crash planned at step {crash_at}"
+        f"\n[2/4] training {steps} steps{ranks}; async incremental checkpoint every {every} "
+        f"steps to {where} {cfg['disk']}; crash planned at step {crash_at}"
     )
     before = _train(cfg_path, cfg, kill_at=crash_at)
-    say("\n[3/4] resuming in a new process (the memory tier survived the crash)")
+    survived = "the memory tier survived the crash" if cfg["memory"] else "from the disk tier"
+    say(f"\n[3/4] resuming in a new process ({survived})")
     after = _train(cfg_path, cfg, kill_at=None)
     ok = _compare(before, after)
     show_report(cfg, out)
@@ -103,8 +107,7 @@ def _train(cfg_path: Path, cfg: dict[str, Any], *, kill_at: int | None) -> dict[
                 losses[rec["step"]] = rec["loss"]
                 _progress(rec, cfg, t0)
                 if kill_at is not None and rec["step"] >= kill_at:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    _kill_group(proc)
                     say(f"\n  ✗ killed the training process with SIGKILL at step {rec['step']}")
                     return losses
         if proc.poll() is not None and not _read(losses_path)[offset:]:
@@ -149,3 +152,40 @@ def _read(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             break  # a line still being written
     return out
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the trainer and every process below it (torchrun puts each rank in its own
+    session, so a process-group kill is not enough), then wait until all are gone: a writer
+    lock is released only when its process has exited."""
+    victims = [proc.pid, *_descendants(proc.pid)]
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        Path(f"/proc/{pid}/stat").exists() and _state(pid) != "Z" for pid in victims
+    ):
+        time.sleep(0.05)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

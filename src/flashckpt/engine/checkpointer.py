@@ -137,7 +137,9 @@ class Checkpointer:
         self.last_step: int | None = None
         self.save_policy = as_save_policy(save_policy)
         self._meter = RunMeter()
-        self._marker = RunMarker(self.root, self.journal)
+        self._marker = RunMarker(
+            self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
+        )
         self._marker.start(self.store, self.save_policy)
         self._preempt: Preemption | None = None
         if handle_sigterm:  # see engine/preempt.py

@@ -25,16 +25,20 @@ _WIDTH = 96  # fixed record size, so each tick overwrites the whole record
 
 
 class RunMarker:
-    def __init__(self, root: Path, journal: Journal) -> None:
-        self.path = root / MARKER
+    """One marker per writer (``name`` is the lock name: one per rank). Only the primary writer
+    (rank 0) journals crashes and lost steps, so a crash of an N-rank job counts once."""
+
+    def __init__(self, root: Path, journal: Journal, *, name: str = "writer", primary: bool = True):
+        self.path = root / MARKER if name == "writer" else root / "locks" / f"running-{name}.json"
         self.journal = journal
+        self.primary = primary
         self.crashed_at_step: int | None = None
         self._fd: int | None = None
         self._t0 = time.time()
 
     def start(self, store: CheckpointStore, save_policy: Any) -> None:
         crashed = self.path.exists()
-        if crashed:
+        if crashed and self.primary:
             last = _read(self.path).get("step")
             self.crashed_at_step = last if isinstance(last, int) else None
             steps = store.steps()
@@ -44,7 +48,8 @@ class RunMarker:
                 last_trained_step=self.crashed_at_step,
                 since_t=self.path.stat().st_mtime,
             )
-        self.journal.append("run_start", clean_previous=not crashed)
+        if self.primary:
+            self.journal.append("run_start", clean_previous=not crashed)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self.tick(None)
@@ -61,11 +66,12 @@ class RunMarker:
     def restored(self, step: int) -> None:
         """Journal the work the crashed run lost (once, after the first restore)."""
         last, self.crashed_at_step = self.crashed_at_step, None
-        if last is not None and last > step:
+        if last is not None and last > step and self.primary:
             self.journal.append("steps_lost", from_step=step, to_step=last, steps=last - step)
 
     def end(self, last_step: int | None) -> None:
-        self.journal.append("run_end", step=last_step)
+        if self.primary:
+            self.journal.append("run_end", step=last_step)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -1,6 +1,6 @@
 """GPU memory planning: will it fit, what to recompute, what to reserve, and watching the run.
 
-See ``docs/memory.md``. Formulas: ZeRO (Rajbhandari et al. 2020) for model states,
+See the README, "Memory planning". Formulas: ZeRO (Rajbhandari et al. 2020) for model states,
 Korthikanti et al. 2022 for activations.
 """
 

@@ -27,11 +27,14 @@ def stats(step: int, **kw: float | int | None) -> RunStats:
 
 def test_every_steps_saves_on_positive_multiples_once() -> None:
     p = EverySteps(5)
-    saved = [s for s in range(0, 21) if p.should_save(stats(s))]
+    assert not p.should_save(stats(1))
+    assert p.take_decision() is None  # announced only once the step time is measured
+    saved = [s for s in range(0, 21) if p.should_save(stats(s, step_time_s=0.5))]
     assert saved == [5, 10, 15, 20]
     assert not p.should_save(stats(10, last_save_step=10))
     d = p.take_decision()
     assert d is not None and (d["policy"], d["interval_steps"]) == ("every_steps", 5)
+    assert d["interval_s"] == 2.5
     assert p.take_decision() is None
 
 
@@ -49,7 +52,8 @@ def test_any_save_is_any_of_and_sees_every_policy() -> None:
     a, b = EverySteps(4), EverySteps(6)
     combo = a | b | EverySeconds(1e9)
     assert isinstance(combo, AnySave) and len(combo.policies) == 3
-    assert [s for s in range(1, 13) if combo.should_save(stats(s))] == [4, 6, 8, 12]
+    saved = [s for s in range(1, 13) if combo.should_save(stats(s, step_time_s=1.0))]
+    assert saved == [4, 6, 8, 12]
     got = [combo.take_decision() for _ in range(4)]
     assert [d["policy"] for d in got[:3]] == ["every_steps", "every_steps", "every_seconds"]  # type: ignore[index]
     assert got[3] is None

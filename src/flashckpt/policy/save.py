@@ -144,7 +144,8 @@ class EverySteps(_SaveComposable):
             raise ConfigError(f"EverySteps(n) needs an integer n >= 1, got {self.n!r}")
 
     def should_save(self, stats: RunStats) -> bool:
-        if not self._once.made:
+        # announced once the step time is measured, so the interval is known in seconds too
+        if not self._once.made and stats.step_time_s is not None:
             self._once.offer(_fixed_decision("every_steps", stats, steps=self.n, seconds=None))
         return stats.step > 0 and stats.step % self.n == 0 and stats.step != stats.last_save_step
 

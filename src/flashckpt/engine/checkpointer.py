@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
 from flashckpt.engine.hooks import StepGate, copy_unprotected, find_optimizers, protected_pointers
+from flashckpt.engine.inflight import InFlight
 from flashckpt.engine.lifecycle import RunMarker
 from flashckpt.engine.load import load_step, restore_newest
 from flashckpt.engine.meter import RunMeter
@@ -99,6 +99,7 @@ class Checkpointer:
             self.root / JOURNAL_NAME, rank=self._dist.rank if self._dist else None
         )
         self._promotion = promotion or Promotion()
+        self._inflight = InFlight()
         try:  # tiers (see engine/tiers.py): memory -> local (root) -> remote
             tiers = build_tiers(
                 local=self.store,
@@ -115,7 +116,7 @@ class Checkpointer:
             self._lock.release()
             raise
         self._tiers = TierSet(
-            tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._pinned
+            tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._inflight.pinned
         )
         self._save_tier: Tier = self._tiers.fastest
         self._committer: Committer = self._commit_local
@@ -128,11 +129,7 @@ class Checkpointer:
         )
         self._fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self._fingerprinter = Fingerprinter() if incremental else None
-        self._gate = StepGate(self._wait_staged)
-        self._current: SaveHandle | None = None
-        self._current_job: SaveJob | None = None
-        self._error: tuple[SaveHandle, BaseException] | None = None
-        self._mutex = threading.Lock()
+        self._gate = StepGate(self._inflight.wait_staged)
         self._closed = False
         self.last_step: int | None = None
         self.save_policy = as_save_policy(save_policy)
@@ -227,10 +224,10 @@ class Checkpointer:
             self._preempt.at_save(self, step, state)
         t0 = time.perf_counter()
         self._raise_pending()
-        if self._current is not None and not self._current.done():
+        if self._inflight.busy():
             if self.options.on_busy == "skip":
                 return self._skipped(step)
-            self._wait_current()
+            self._inflight.wait_durable()  # counted in this save's blocking time
             self._raise_pending()
         captured = capture(state)
         if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
@@ -280,8 +277,7 @@ class Checkpointer:
         )
 
     def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
-        with self._mutex:
-            self._current, self._current_job = handle, job
+        self._inflight.start(handle, job)
         handle.durable.add_done_callback(lambda _f: self._finish(handle))
         self._stager.submit(job.run)
         if wait_staged:
@@ -301,8 +297,7 @@ class Checkpointer:
         """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping."""
         exc = handle.durable.exception()
         if exc is not None:
-            with self._mutex:
-                self._error = self._error or (handle, as_save_error(exc, handle.step))
+            self._inflight.failed(handle, exc)
             self.journal.append("save_failed", step=handle.step, error=str(exc))
             log.error("checkpoint step %d failed: %s", handle.step, exc)
             return
@@ -316,10 +311,6 @@ class Checkpointer:
         except FlashCkptError as exc:
             log.warning("retention after step %d failed: %s", handle.step, exc)
 
-    def _pinned(self) -> set[str]:
-        job = self._current_job
-        return job.pinned_hashes if job is not None else set()
-
     def _retain(self, step: int) -> None:
         """Queue promotion to the slower tiers, then apply the save tier's retention + gc."""
         self._tiers.committed(step, self._save_tier)
@@ -328,34 +319,11 @@ class Checkpointer:
     def _commit_local(self, manifest: Any, chunk_dirs: list[str]) -> None:
         self._save_tier.store.commit(manifest, chunk_dirs=chunk_dirs)
 
-    def _wait_staged(self) -> None:
-        handle = self._current
-        if handle is None or handle.staged.done():
-            return
-        t0 = time.perf_counter()
-        try:
-            handle.staged.result()
-        except BaseException:
-            pass
-        handle.add_blocking(time.perf_counter() - t0)
-
     def _wait_current(self) -> None:
-        handle = self._current
-        if handle is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            handle.durable.result()
-        except BaseException:
-            pass
-        handle.add_blocking(time.perf_counter() - t0) if not handle.staged.done() else None
+        self._inflight.wait_durable()
 
     def _raise_pending(self) -> None:
-        with self._mutex:
-            pending, self._error = self._error, None
-        if pending is not None and not pending[0].error_delivered:
-            pending[0].error_delivered = True
-            raise pending[1]
+        self._inflight.raise_pending()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -186,3 +186,16 @@ def test_lock_not_inherited_by_forked_children(tmp_path):
         flashckpt.Checkpointer(tmp_path).close()  # would raise LockedError with flock()
     finally:
         subprocess.run(["pkill", "-f", str(tmp_path)], check=False)
+
+
+def test_unexpected_keys_are_a_mismatch(tmp_path, make_state):
+    """A checkpoint with parameters the model lacks: named up front, skipped with strict=False."""
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with flashckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": big})
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with flashckpt.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(flashckpt.StateMismatchError, match=r"1\.weight \(in the checkpoint"):
+            ckpt.restore({"model": small})
+        assert ckpt.restore({"model": small}, strict=False) == 1
+    assert torch.equal(small[0].weight, big[0].weight)

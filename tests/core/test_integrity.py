@@ -101,3 +101,20 @@ def test_verify_cli_exit_codes(tmp_path, make_state):
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "DAMAGED" in bad.stdout and new_chunks[0].name.split(".")[0] in bad.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_missing_or_truncated_chunk_leaves_state_untouched(tmp_path, make_state, damage):
+    _, _, new_chunks = _two_steps(tmp_path, make_state)
+    victim = new_chunks[-1]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-1])
+    else:
+        victim.unlink()
+    target = make_state(trained=0, seed=11)
+    before = {k: v.clone() for k, v in target["model"].state_dict().items()}
+    with flashckpt.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(flashckpt.CorruptCheckpointError, match=victim.name.split(".")[0]):
+            ckpt.restore(target, step=2)
+    for k, v in target["model"].state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was modified by a restore that failed"

@@ -55,7 +55,11 @@ class RestorePlan:
     def finish(self, loaded: Mapping[str, Any]) -> None:
         """Hand the loaded tensors to their owners (``loaded[key]`` from the engine)."""
 
+        skipped = set().union(*self.skipped.values()) if self.skipped else set()
+
         def lookup(kind: str, key: str) -> Any:
+            if key in skipped and key not in loaded:
+                return None  # strict=False: not read, filtered out by _deliver
             if key not in loaded:
                 raise ManifestError(f"state tree references unknown tensor {key!r}")
             return loaded[key]
@@ -114,8 +118,12 @@ def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) ->
     if isinstance(value, torch.nn.Module):
         saved_keys = {k for _, k in saved}
         missing = sorted(set(live) - saved_keys)
+        unexpected = sorted(saved_keys - set(live))
         problems += [f"{k} (missing from the checkpoint)" for k in missing]
-        skipped |= set(missing)
+        problems += [f"{k} (in the checkpoint, not in the model)" for k in unexpected]
+        skipped |= set(missing) | set(unexpected)
+        for key in unexpected:  # never read bytes nobody will receive
+            plan.targets.pop(key, None)
     plan.skipped[name] = skipped
     return problems
 

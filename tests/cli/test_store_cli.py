@@ -79,3 +79,14 @@ def test_export_loads_without_flashckpt(root, tmp_path, fmt, make_state):
         ckpt.restore({"model": target["model"]}, step=2, strict=False)
     assert "fc1.weight" in res.stdout
     assert abs(float(res.stdout.splitlines()[1]) - float(target["model"].fc1.weight.sum())) < 1e-3
+
+
+def test_ls_survives_odd_stats(root, capsys):
+    import json
+
+    path = root / "steps" / "000000000002.json"
+    doc = json.loads(path.read_text())
+    doc["stats"] = {"new_bytes": "lots", "reused_bytes": [1]}
+    path.write_text(json.dumps(doc))
+    assert main(["ls", str(root)]) == 0
+    assert "0 B" in capsys.readouterr().out

@@ -93,8 +93,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 dt.datetime.fromtimestamp(m.time_s).strftime("%Y-%m-%d %H:%M:%S"),
                 str(len(m.tensors)),
                 format_bytes(m.total_bytes),
-                format_bytes(st.get("new_bytes", 0)),
-                format_bytes(st.get("reused_bytes", 0)),
+                format_bytes(_num(st.get("new_bytes"))),
+                format_bytes(_num(st.get("reused_bytes"))),
                 names,
             )
         )
@@ -211,6 +211,11 @@ def _changed(
             delta = f"{float((a.double() - b.double()).abs().max()):.3g}"
         rows.append((key, f"{n / max(a.numel(), 1):.1%} of {a.numel()} elements", delta))
     return rows
+
+
+def _num(value: Any) -> float:
+    """A manifest's stats are informational and unvalidated: show 0 for anything odd."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _summarize_tree(tree: Any, depth: int = 0) -> str:

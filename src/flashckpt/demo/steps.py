@@ -80,3 +80,5 @@ def show_report(cfg: dict[str, Any], out: Path) -> None:
     ):
         say(f"    {cmd}")
     subprocess.run([sys.executable, "-m", "flashckpt.cli", "ls", cfg["disk"]], check=False)
+    if cfg.get("memory"):
+        say(f"  the memory tier's copies stay in {cfg['memory']} (RAM) until you remove it")

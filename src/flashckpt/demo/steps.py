@@ -37,7 +37,10 @@ def plan_memory(cfg: dict[str, Any]) -> list[str]:
         max_seq_len=m["block_size"],
         name="demo-gpt",
     )
-    est = estimate(shape, batch_size=b, seq_len=s, precision="fp32", optimizer="adamw")
+    flash = torch.cuda.is_available()  # on CPU attention takes the plain (non-flash) path
+    est = estimate(
+        shape, batch_size=b, seq_len=s, precision="fp32", optimizer="adamw", flash_attention=flash
+    )
     say(
         f"  model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, batch {b}, "
         f"sequence {s}, fp32 + AdamW"
@@ -52,10 +55,11 @@ def plan_memory(cfg: dict[str, Any]) -> list[str]:
     budget = int(full * 0.75)
     plan = plan_recompute(prof, budget)
     say(
-        f"  measured activations of {len(prof.blocks)} blocks: {format_bytes(full)}; "
+        f"  measured (saved-tensor hooks) activations of {len(prof.blocks)} blocks: "
+        f"{format_bytes(full)}, dropout masks included; "
         f"demo budget {format_bytes(budget)} (75%)"
     )
-    say(f"  plan: {plan.describe()}")
+    say(f"  plan: {plan.describe()} — applied to the model that trains below")
     from flashckpt.memory import preallocate
 
     say(f"  preallocation: {preallocate(est).explain()}")

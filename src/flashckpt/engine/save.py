@@ -133,6 +133,7 @@ class SaveJob:
         self.hashes: list[str] = [""] * len(chunks)
         self._p = _Progress()
         self._stream: Any = None
+        self._deferred: list[tuple[Any, ...]] = []
         self.t0 = time.perf_counter()
 
     @property
@@ -146,6 +147,7 @@ class SaveJob:
             self._stage_all()
             stats.staged_s = time.perf_counter() - self.t0
             self.handle.staged.set_result(stats)
+            self._flush()
             for f in self._p.pending:
                 f.result()
             self._raise_if_failed()
@@ -176,7 +178,7 @@ class SaveJob:
         if self.ctx.pool is None:
             self._submit(ci, h, chunk, views, None)
             return
-        slot = self.ctx.pool.acquire()
+        slot = self._acquire()
         buf = self.ctx.pool.view(slot, chunk.size).numpy()
         pos = 0
         for v in views:
@@ -202,7 +204,7 @@ class SaveJob:
                 if prev is not None and prev[0] == fp and self._reuse(ci, prev[1], chunk.size):
                     return
             pool = self._require_pool()
-            slot = pool.acquire()
+            slot = self._acquire()
             buf = pool.view(slot, chunk.size)
             pos = 0
             for p in parts:
@@ -212,6 +214,21 @@ class SaveJob:
         # the chunk is on the host: staged. Hashing (GIL-bound) happens in a persist worker so
         # the optimizer hook waits only for the device-to-host copies.
         self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp))
+
+    def _acquire(self) -> int:
+        """A staging slot. Staged chunks wait (deferred) until staging ends, so persist work
+        never competes with the copies training is waiting for; only when the pool is out of
+        slots are they handed to the workers early, to free slots (a state larger than the
+        budget then flows through in waves)."""
+        pool = self._require_pool()
+        if pool.free_slots() == 0:
+            self._flush()
+        return pool.acquire()
+
+    def _flush(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for args in deferred:
+            self._submit_now(*args)
 
     def _require_pool(self) -> StagingPool:
         if self.ctx.pool is None:
@@ -250,7 +267,22 @@ class SaveJob:
         slot: int | None,
         fingerprint: tuple[Any, Any] | None = None,
     ) -> None:
-        """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first)."""
+        """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first);
+        deferred until staging ends when it sits in a staging slot."""
+        if slot is not None:
+            self._deferred.append((ci, h, chunk, bufs, slot, fingerprint))
+            return
+        self._submit_now(ci, h, chunk, bufs, slot, fingerprint)
+
+    def _submit_now(
+        self,
+        ci: int,
+        h: str | None,
+        chunk: ChunkPlan,
+        bufs: list[Any],
+        slot: int | None,
+        fingerprint: tuple[Any, Any] | None = None,
+    ) -> None:
         codec = codecs.choose_codec(self.ctx.compression, chunk.itemsize)
         try:
             fut = self.ctx.workers.submit(
@@ -345,6 +377,10 @@ class SaveJob:
         with self._p.lock:
             if self._p.error is None:
                 self._p.error = exc
+        deferred, self._deferred = self._deferred, []
+        for args in deferred:  # staged but never handed to a worker: give the slots back
+            if self.ctx.pool is not None:
+                self.ctx.pool.release(args[4])
         for f in self._p.pending:
             try:
                 f.result()

@@ -49,6 +49,10 @@ class StagingPool:
             self._pinned = pin and self._arena.is_pinned()
             self._free = list(range(slots))
 
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
     def acquire(self) -> int:
         with self._cond:
             while not self._free:

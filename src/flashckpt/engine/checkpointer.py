@@ -266,7 +266,6 @@ class Checkpointer:
             fingerprints=self._fingerprints,
             rank=self.rank,
             world_size=self.world_size,
-            hash_first=self._expect_reuse(),
         )
         if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
             retain = lambda: self._retain(handle.step)  # noqa: E731
@@ -276,16 +275,6 @@ class Checkpointer:
         return SaveJob(
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, committer=self._committer
         )
-
-    def _expect_reuse(self) -> bool:
-        """Hash before staging when at least half the bytes should be unchanged: judged from the
-        previous save of this run, else from whether the tier already holds any chunks."""
-        if not self.options.incremental:
-            return False
-        prev = self._inflight.handle
-        if prev is None:
-            return self._save_tier.store.has_chunks()
-        return 2 * prev.stats.reused_bytes >= prev.stats.total_bytes
 
     def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
         self._inflight.start(handle, job)

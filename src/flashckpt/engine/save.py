@@ -56,9 +56,6 @@ class SaveContext:
     rank: int = 0
     world_size: int = 1
     cuda_event: Any = None  # recorded on the training stream at save()
-    # CPU: hash a chunk before staging it (an unchanged chunk is then never copied), or copy
-    # first and hash in a persist worker (less work while training waits, when most changed)
-    hash_first: bool = True
 
 
 @dataclass(kw_only=True)
@@ -81,7 +78,6 @@ def build_context(
     fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]],
     rank: int,
     world_size: int,
-    hash_first: bool = True,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
@@ -115,7 +111,6 @@ def build_context(
         rank=rank,
         world_size=world_size,
         cuda_event=event,
-        hash_first=hash_first,
     )
     return chunks, ctx
 
@@ -177,11 +172,9 @@ class SaveJob:
 
     def _stage_cpu(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         views = [p.numpy() for p in parts]
-        h: str | None = None
-        if self.ctx.hash_first or self.ctx.pool is None:
-            h = codecs.hash_parts(views)
-            if self._reuse(ci, h, chunk.size):
-                return
+        h = codecs.hash_parts(views)
+        if self._reuse(ci, h, chunk.size):
+            return
         if self.ctx.pool is None:
             self._submit(ci, h, chunk, views, None)
             return
@@ -194,7 +187,7 @@ class SaveJob:
             # for the cores (measured 3-40x slower and erratic on a busy 2-core host).
             np.copyto(buf[pos : pos + v.size], v.reshape(-1))
             pos += v.size
-        self._submit(ci, h, chunk, [buf], slot, None)
+        self._submit(ci, h, chunk, [buf], slot)
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         if self._stream is None:

@@ -78,9 +78,6 @@ class CheckpointStore:
                 self._known = known
             return self._known
 
-    def has_chunks(self) -> bool:
-        return bool(self._index())
-
     def find_chunk(self, h: str) -> ChunkRef | None:
         """The stored chunk with raw hash ``h``, or None. Local tiers confirm with a stat so a
         chunk deleted behind our back is never reused."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.runtime import DistRuntime
+from flashckpt.engine.context import build_context
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
 from flashckpt.engine.hooks import StepGate, copy_unprotected, find_optimizers, protected_pointers
@@ -21,7 +22,7 @@ from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
-from flashckpt.engine.save import Committer, SaveJob, build_context
+from flashckpt.engine.save import Committer, SaveJob
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.tiers import Tier, TierSet, build_tiers
 from flashckpt.errors import ConfigError, FlashCkptError

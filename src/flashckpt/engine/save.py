@@ -15,24 +15,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from flashckpt.engine.fingerprint import Fingerprinter
+from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
-from flashckpt.engine.layout import ChunkPlan, plan_chunks
-from flashckpt.engine.options import Options
+from flashckpt.engine.layout import ChunkPlan
 from flashckpt.engine.staging import StagingPool
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
-from flashckpt.store.dtypes import itemsize
 from flashckpt.store.gc import referenced_chunks
 from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
-from flashckpt.store.store import CheckpointStore, chunk_path
+from flashckpt.store.store import chunk_path
 
 log = logging.getLogger(__name__)
 
@@ -42,77 +40,12 @@ distributed: write this rank's part, barrier, rank 0 publishes)."""
 
 
 @dataclass(kw_only=True)
-class SaveContext:
-    """What a save job borrows from its Checkpointer for its lifetime."""
-
-    store: CheckpointStore
-    pool: StagingPool | None  # None: persist straight from live memory (synchronous saves)
-    workers: Executor
-    compression: str | None
-    incremental: bool
-    fingerprinter: Fingerprinter | None
-    fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]]
-    library: str
-    rank: int = 0
-    world_size: int = 1
-    cuda_event: Any = None  # recorded on the training stream at save()
-
-
-@dataclass(kw_only=True)
 class _Progress:
     refs: dict[str, ChunkRef] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
     pending: list[Future[None]] = field(default_factory=list)
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def build_context(
-    captured: Captured,
-    o: Options,
-    *,
-    store: CheckpointStore,
-    pool: StagingPool,
-    workers: Executor,
-    fingerprinter: Fingerprinter | None,
-    fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]],
-    rank: int,
-    world_size: int,
-) -> tuple[list[ChunkPlan], SaveContext]:
-    """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
-    through the pool when the save is asynchronous or the bytes live on a device; a
-    synchronous CPU save persists straight from the live tensors."""
-    from flashckpt import __version__
-
-    chunks = plan_chunks(
-        captured.items,
-        chunk_bytes=o.chunk_bytes,
-        pack_bytes=min(o.pack_bytes, o.chunk_bytes),
-        pack_threshold_bytes=min(o.pack_threshold_bytes, o.chunk_bytes),
-        itemsizes=[itemsize(i.kind, i.dtype) for i in captured.items],
-    )
-    on_device = any(c.device != "cpu" for c in chunks)
-    use_pool = o.async_save or on_device
-    if use_pool:
-        pool.reserve(needed_bytes=captured.nbytes, pin=on_device and torch.cuda.is_available())
-    event = None
-    if on_device:  # staging on a side stream must wait for work queued before save()
-        event = torch.cuda.Event()
-        event.record()
-    ctx = SaveContext(
-        store=store,
-        pool=pool if use_pool else None,
-        workers=workers,
-        compression=o.compression,
-        incremental=o.incremental,
-        fingerprinter=fingerprinter if on_device else None,
-        fingerprints=fingerprints,
-        library=__version__,
-        rank=rank,
-        world_size=world_size,
-        cuda_event=event,
-    )
-    return chunks, ctx
 
 
 class SaveJob:

@@ -32,6 +32,7 @@ from flashckpt.policy.save import SavePolicy, as_save_policy
 from flashckpt.state.capture import Captured, capture
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.lock import WriterLock
+from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class Checkpointer:
         else:
             job.run()
             handle.error_delivered = True  # a synchronous save raises right here
-            self._finish(handle)
+            self._finish(handle, job)
         handle.add_blocking(time.perf_counter() - t0)
         self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
         if not self.options.async_save:
@@ -279,7 +280,7 @@ class Checkpointer:
 
     def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
         self._inflight.start(handle, job)
-        handle.durable.add_done_callback(lambda _f: self._finish(handle))
+        handle.durable.add_done_callback(lambda _f: self._finish(handle, job))
         self._stager.submit(job.run)
         if wait_staged:
             try:
@@ -294,7 +295,7 @@ class Checkpointer:
         handle.durable.set_result(handle.stats)
         return handle
 
-    def _finish(self, handle: SaveHandle) -> None:
+    def _finish(self, handle: SaveHandle, job: SaveJob) -> None:
         """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping."""
         exc = handle.durable.exception()
         if exc is not None:
@@ -308,13 +309,13 @@ class Checkpointer:
         self.journal.append("durable", tier=self._save_tier.name, **s.durable_fields())
         try:
             if self._dist is None:  # distributed: rank 0 retains inside the commit
-                self._retain(handle.step)
+                self._retain(handle.step, job.manifest)
         except FlashCkptError as exc:
             log.warning("retention after step %d failed: %s", handle.step, exc)
 
-    def _retain(self, step: int) -> None:
+    def _retain(self, step: int, manifest: Manifest | None = None) -> None:
         """Queue promotion to the slower tiers, then apply the save tier's retention + gc."""
-        self._tiers.committed(step, self._save_tier)
+        self._tiers.committed(step, self._save_tier, manifest)  # None: read it back
         self._tiers.retain(self._save_tier)
 
     def _commit_local(self, manifest: Any, chunk_dirs: list[str]) -> None:

@@ -67,6 +67,7 @@ class SaveJob:
         self._p = _Progress()
         self._stream: Any = None
         self._deferred: list[tuple[Any, ...]] = []
+        self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
         self.t0 = time.perf_counter()
 
     @property
@@ -86,6 +87,7 @@ class SaveJob:
             self._raise_if_failed()
             manifest = self._manifest()
             self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
+            self.manifest = manifest
             stats.background_s = time.perf_counter() - self.t0
             self.handle.durable.set_result(stats)
         except BaseException as exc:

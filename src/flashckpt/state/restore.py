@@ -10,6 +10,7 @@ Stateful object gets ``load_state_dict`` with a tree made of those tensors.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ class RestorePlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(t.shape) * t.entry.itemsize for t in self.targets.values())
+        return sum(math.prod(t.shape) * t.entry.itemsize for t in self.targets.values())
 
     def finish(self, loaded: Mapping[str, Any]) -> None:
         """Hand the loaded tensors to their owners (``loaded[key]`` from the engine)."""
@@ -181,10 +182,3 @@ def _deliver(
             f"cannot restore plain value {name!r} into a read-only mapping; pass a dict",
             keys=[name],
         )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

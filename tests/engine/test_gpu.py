@@ -68,13 +68,13 @@ def _restore(root, step):
 def acquires(monkeypatch):
     """Counts staging slots taken: each is one chunk copied device -> host."""
     count = {"n": 0}
-    real = StagingPool.acquire
+    real = StagingPool.try_acquire  # every staged chunk asks for its range here first
 
-    def counting(self):
+    def counting(self, nbytes):
         count["n"] += 1
-        return real(self)
+        return real(self, nbytes)
 
-    monkeypatch.setattr(StagingPool, "acquire", counting)
+    monkeypatch.setattr(StagingPool, "try_acquire", counting)
     return count
 
 

@@ -62,6 +62,7 @@ class Checkpointer:
         on_busy: str = "wait",
         overlap: bool = True,
         fsync: bool = True,
+        direct_io: bool = True,
         save_policy: SavePolicy | int | None = None,
         memory_tier: str | os.PathLike[str] | None = None,
         keep_memory: RetentionPolicy | int | None = None,
@@ -85,6 +86,7 @@ class Checkpointer:
             on_busy=on_busy,
             overlap=overlap,
             fsync=fsync,
+            direct_io=direct_io,
         )
         self.keep = as_retention(keep)
         self.root = Path(root).expanduser().absolute()
@@ -94,7 +96,10 @@ class Checkpointer:
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
-        self.store = CheckpointStore(LocalBackend(self.root, fsync=fsync))
+        # the disk tier writes the aligned bulk of each chunk past the page cache (directio.py)
+        self.store = CheckpointStore(
+            LocalBackend(self.root, fsync=fsync, direct_io=self.options.direct_io and fsync)
+        )
         self._lock = WriterLock(self.root, name=self._dist.lock_name if self._dist else "writer")
         self._lock.acquire()
         self.journal = Journal(
@@ -123,7 +128,7 @@ class Checkpointer:
         self._save_tier: Tier = self._tiers.fastest
         self._committer: Committer = self._commit_local
         self._pool = StagingPool(
-            budget_bytes=self.options.host_memory_budget_bytes, slot_bytes=self.options.chunk_bytes
+            budget_bytes=self.options.host_memory_budget_bytes, chunk_bytes=self.options.chunk_bytes
         )
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
         self._workers = ThreadPoolExecutor(

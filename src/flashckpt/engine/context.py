@@ -11,7 +11,7 @@ import torch
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.layout import ChunkPlan, plan_chunks
 from flashckpt.engine.options import Options
-from flashckpt.engine.staging import StagingPool
+from flashckpt.engine.staging import StagingPool, aligned
 from flashckpt.state.capture import Captured
 from flashckpt.store.dtypes import itemsize
 from flashckpt.store.store import CheckpointStore
@@ -61,7 +61,8 @@ def build_context(
     on_device = any(c.device != "cpu" for c in chunks)
     use_pool = o.async_save or on_device
     if use_pool:
-        pool.reserve(needed_bytes=captured.nbytes, pin=on_device and torch.cuda.is_available())
+        needed = sum(aligned(c.size) for c in chunks)
+        pool.reserve(needed_bytes=needed, pin=on_device and torch.cuda.is_available())
     event = None
     if on_device:  # staging on a side stream must wait for work queued before save()
         event = torch.cuda.Event()

@@ -25,9 +25,10 @@ class Options:
     on_busy: str = "wait"
     overlap: bool = True
     fsync: bool = True
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("async_save", "incremental", "overlap", "fsync"):
+        for name in ("async_save", "incremental", "overlap", "fsync", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compression not in (None, "zstd"):

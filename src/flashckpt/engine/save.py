@@ -113,15 +113,20 @@ class SaveJob:
         if self.ctx.pool is None:
             self._submit(ci, h, chunk, views, None)
             return
-        slot = self._acquire()
-        buf = self.ctx.pool.view(slot, chunk.size).numpy()
-        pos = 0
-        for v in views:
-            # numpy's single-threaded memcpy, not Tensor.copy_: from this background thread
-            # torch would start its own intra-op thread team and fight the training thread's
-            # for the cores (measured 3-40x slower and erratic on a busy 2-core host).
-            np.copyto(buf[pos : pos + v.size], v.reshape(-1))
-            pos += v.size
+        pool = self.ctx.pool
+        slot = self._acquire(chunk.size)
+        try:
+            buf = pool.view(slot, chunk.size).numpy()
+            pos = 0
+            for v in views:
+                # numpy's single-threaded memcpy, not Tensor.copy_: from this background thread
+                # torch would start its own intra-op thread team and fight the training
+                # thread's for the cores (measured 3-40x slower and erratic on a busy host).
+                np.copyto(buf[pos : pos + v.size], v.reshape(-1))
+                pos += v.size
+        except BaseException:
+            pool.release(slot)
+            raise
         self._submit(ci, h, chunk, [buf], slot)
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
@@ -139,26 +144,32 @@ class SaveJob:
                 if prev is not None and prev[0] == fp and self._reuse(ci, prev[1], chunk.size):
                     return
             pool = self._require_pool()
-            slot = self._acquire()
-            buf = pool.view(slot, chunk.size)
-            pos = 0
-            for p in parts:
-                buf[pos : pos + p.numel()].copy_(p, non_blocking=True)
-                pos += p.numel()
-        self._stream.synchronize()
+            slot = self._acquire(chunk.size)
+            try:
+                buf = pool.view(slot, chunk.size)
+                pos = 0
+                for p in parts:
+                    buf[pos : pos + p.numel()].copy_(p, non_blocking=True)
+                    pos += p.numel()
+                self._stream.synchronize()
+            except BaseException:
+                pool.release(slot)
+                raise
         # the chunk is on the host: staged. Hashing (GIL-bound) happens in a persist worker so
         # the optimizer hook waits only for the device-to-host copies.
         self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp))
 
-    def _acquire(self) -> int:
-        """A staging slot. Staged chunks wait (deferred) until staging ends, so persist work
-        never competes with the copies training is waiting for; only when the pool is out of
-        slots are they handed to the workers early, to free slots (a state larger than the
-        budget then flows through in waves)."""
+    def _acquire(self, nbytes: int) -> int:
+        """A staging range for ``nbytes``. Staged chunks wait (deferred) until staging ends, so
+        persist work never competes with the copies training is waiting for; only when the
+        pool is full are they handed to the workers early, to free space (a state larger than
+        the budget then flows through in waves)."""
         pool = self._require_pool()
-        if pool.free_slots() == 0:
+        slot = pool.try_acquire(nbytes)
+        if slot is None:
             self._flush()
-        return pool.acquire()
+            slot = pool.acquire(nbytes)
+        return slot
 
     def _flush(self) -> None:
         deferred, self._deferred = self._deferred, []

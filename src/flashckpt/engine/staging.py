@@ -1,30 +1,41 @@
-"""The staging pool: host buffers allocated once, reused by every save, bounded by a budget.
+"""The staging pool: one host arena allocated once, reused by every save, bounded by a budget.
 
-Admission works on fixed slots of ``slot_bytes`` (the largest chunk): a chunk is staged only
-when a slot is free, and a slot returns to the pool in ``finally`` when its chunk is written.
-With at least one slot, one chunk is always admitted when nothing is in flight, so a state
-larger than the budget flows through in waves without deadlock. On CUDA the arena is pinned
-(allocated once, since ``cudaHostAlloc`` is slow); if pinning fails it falls back to pageable
-memory with a warning.
+A staged chunk takes a page-aligned range of the arena sized to the chunk (a 4 KiB bias and a
+32 MiB weight slice cost what they hold, so a state of many small tensors stages in one pass
+instead of waiting on writes for lack of fixed-size slots), and gives it back in ``finally``
+when the chunk is written. The arena is at least one full chunk, so one chunk is always
+admitted when nothing is in flight and a state larger than the budget flows through in waves
+without deadlock. Ranges start on 4096-byte boundaries so the disk tier can write them with
+O_DIRECT (store/directio.py). On CUDA the arena is pinned (allocated once, since
+``cudaHostAlloc`` is slow); if pinning fails it falls back to pageable memory with a warning.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 
 import torch
 
+from flashckpt.store.directio import ALIGN
+
 log = logging.getLogger(__name__)
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the staging alignment."""
+    return -(-max(1, nbytes) // ALIGN) * ALIGN
+
+
 class StagingPool:
-    def __init__(self, *, budget_bytes: int, slot_bytes: int) -> None:
-        self.slot_bytes = max(1, slot_bytes)
-        self.max_slots = max(1, budget_bytes // self.slot_bytes)
+    def __init__(self, *, budget_bytes: int, chunk_bytes: int) -> None:
+        self.chunk_bytes = aligned(chunk_bytes)
+        self.budget_bytes = max(budget_bytes, self.chunk_bytes)
         self._arena: torch.Tensor | None = None
         self._pinned = False
-        self._free: list[int] = []
+        self._free: list[tuple[int, int]] = []  # (start, end) byte ranges, sorted, merged
+        self._taken: dict[int, int] = {}  # start -> length of each range handed out
         self._cond = threading.Condition()
 
     @property
@@ -36,47 +47,79 @@ class StagingPool:
         return self._pinned
 
     def reserve(self, *, needed_bytes: int, pin: bool) -> None:
-        """Size the arena for a save of ``needed_bytes`` (never beyond the budget). Called
-        between saves only; the arena grows at most once per new high-water mark."""
-        slots = min(self.max_slots, max(1, -(-needed_bytes // self.slot_bytes)))
+        """Size the arena for a save staging ``needed_bytes`` (the sum of :func:`aligned` chunk
+        sizes), never beyond the budget and never below one chunk. Called between saves only;
+        the arena grows at most once per new high-water mark."""
+        want = min(self.budget_bytes, max(self.chunk_bytes, aligned(needed_bytes)))
         with self._cond:
-            have = 0 if self._arena is None else self._arena.numel() // self.slot_bytes
-            if slots <= have and (self._pinned or not pin):
+            if self._taken:
+                raise RuntimeError("staging pool resized while chunks are staged")
+            if want <= self.capacity_bytes and (self._pinned or not pin):
                 return
-            slots = max(slots, have)
+            want = max(want, self.capacity_bytes)
             self._arena = None
-            self._arena = _alloc(slots * self.slot_bytes, pin)
+            self._arena = _alloc(want, pin)
             self._pinned = pin and self._arena.is_pinned()
-            self._free = list(range(slots))
+            self._free = [(0, want)]
 
-    def free_slots(self) -> int:
+    def try_acquire(self, nbytes: int) -> int | None:
+        """The start of a free range of ``nbytes`` (first fit), or None when none is free."""
+        size = aligned(nbytes)
         with self._cond:
-            return len(self._free)
+            return self._take(size)
 
-    def acquire(self) -> int:
+    def acquire(self, nbytes: int) -> int:
+        """Like :meth:`try_acquire`, waiting for a range to be released."""
+        size = aligned(nbytes)
+        if size > self.capacity_bytes:
+            raise RuntimeError(
+                f"a {nbytes}-byte chunk does not fit the {self.capacity_bytes}-byte arena"
+            )
         with self._cond:
-            while not self._free:
+            while (start := self._take(size)) is None:
                 self._cond.wait()
-            return self._free.pop()
+            return start
 
-    def release(self, slot: int) -> None:
+    def release(self, start: int) -> None:
         with self._cond:
-            self._free.append(slot)
-            self._cond.notify()
+            end = start + self._taken.pop(start)
+            i = bisect.bisect_left(self._free, (start, end))
+            if i < len(self._free) and self._free[i][0] == end:  # merge with the next range
+                end = self._free.pop(i)[1]
+            if i > 0 and self._free[i - 1][1] == start:  # and with the previous one
+                start = self._free.pop(i - 1)[0]
+                i -= 1
+            self._free.insert(i, (start, end))
+            self._cond.notify_all()
 
-    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+    def view(self, start: int, nbytes: int) -> torch.Tensor:
         if self._arena is None:
             raise RuntimeError("staging pool used before reserve()")
-        start = slot * self.slot_bytes
         return self._arena[start : start + nbytes]
+
+    def _take(self, size: int) -> int | None:
+        for i, (lo, hi) in enumerate(self._free):
+            if hi - lo >= size:
+                if hi - lo == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (lo + size, hi)
+                self._taken[lo] = size
+                return lo
+        return None
 
 
 def _alloc(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` starting on a 4096-byte boundary."""
+    raw: torch.Tensor | None = None
     if pin:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
             log.warning(
                 "could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc
             )
-    return torch.empty(nbytes, dtype=torch.uint8)
+    if raw is None:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes]

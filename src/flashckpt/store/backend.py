@@ -11,11 +11,13 @@ import builtins
 import errno
 import itertools
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from flashckpt.errors import ConfigError, StorageError
+from flashckpt.store.directio import write_parts
 
 Buffer = Any  # bytes, bytearray, memoryview, or a C-contiguous numpy array
 
@@ -73,14 +75,28 @@ def is_temp_name(name: str) -> bool:
 
 
 class LocalBackend:
-    """A directory on a local (or shared POSIX) filesystem; also used for the /dev/shm tier."""
+    """A directory on a local (or shared POSIX) filesystem; also used for the /dev/shm tier.
+
+    ``direct_io=True`` writes the page-aligned bulk of each file with ``O_DIRECT`` (see
+    :mod:`flashckpt.store.directio`); the disk tier uses it, the memory tier does not.
+    """
 
     is_local = True
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = True):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        fsync: bool = True,
+        direct_io: bool = False,
+    ):
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.fsync = fsync
+        self.direct_io = direct_io
+        self.direct_bytes = 0  # bytes written past the page cache (read by tests and bench)
+        self._stats_lock = threading.Lock()  # put() runs in several persist workers at once
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
         if create:
@@ -99,7 +115,12 @@ class LocalBackend:
             dst.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                written = _write_all(fd, parts)
+                res = write_parts(fd, parts, direct=self.direct_io)
+                with self._stats_lock:
+                    if res.direct_refused:
+                        self.direct_io = False  # this filesystem has no O_DIRECT
+                    self.direct_bytes += res.direct_bytes
+                written = res.written
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -178,17 +199,6 @@ class LocalBackend:
                     raise _storage_error("sync", p, exc) from exc
             finally:
                 os.close(fd)
-
-
-def _write_all(fd: int, parts: Sequence[Buffer]) -> int:
-    total = 0
-    for part in parts:
-        mv = memoryview(part).cast("B")
-        while len(mv):
-            n = os.write(fd, mv)
-            total += n
-            mv = mv[n:]
-    return total
 
 
 def _unlink_quiet(p: Path) -> None:

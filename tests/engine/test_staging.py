@@ -1,0 +1,141 @@
+"""The staging pool: page-aligned ranges sized to each chunk, bounded, reused, never leaked."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+from test_async import SlowBackend
+
+import flashckpt
+from flashckpt.engine.staging import StagingPool, aligned
+from flashckpt.store.directio import ALIGN
+
+MiB = 1 << 20
+
+
+def _pool(budget=4 * MiB, chunk=MiB, needed=4 * MiB) -> StagingPool:
+    pool = StagingPool(budget_bytes=budget, chunk_bytes=chunk)
+    pool.reserve(needed_bytes=needed, pin=False)
+    return pool
+
+
+def test_ranges_are_page_aligned_sized_to_the_chunk_and_disjoint():
+    pool = _pool()
+    sizes = [5, ALIGN, ALIGN + 1, 300_000, MiB]
+    starts = [pool.acquire(n) for n in sizes]
+    assert all(s % ALIGN == 0 for s in starts)
+    assert all(pool.view(s, 1).data_ptr() % ALIGN == 0 for s in starts)
+    spans = sorted((s, s + aligned(n)) for s, n in zip(starts, sizes, strict=True))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
+    # a small chunk costs what it holds: the 5 small ranges together are well under 2 MiB
+    assert sum(aligned(n) for n in sizes) < 2 * MiB
+
+
+def test_full_pool_says_so_and_a_release_merges_space_back():
+    pool = _pool(budget=2 * MiB, chunk=MiB, needed=2 * MiB)
+    a, b = pool.acquire(MiB), pool.acquire(MiB)
+    assert pool.try_acquire(1) is None
+    pool.release(a)
+    pool.release(b)
+    # both halves merged: a range of the whole arena fits again
+    whole = pool.try_acquire(2 * MiB)
+    assert whole == 0
+
+
+def test_acquire_waits_for_a_release():
+    pool = _pool(budget=MiB, chunk=MiB, needed=MiB)
+    first = pool.acquire(MiB)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(MiB)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got, "no space: the second acquire must wait"
+    pool.release(first)
+    waiter.join(10)
+    assert got == [first]
+
+
+def test_arena_holds_at_least_one_chunk_and_at_most_the_budget():
+    assert _pool(budget=8 * MiB, chunk=MiB, needed=10).capacity_bytes == MiB
+    assert _pool(budget=3 * MiB, chunk=MiB, needed=100 * MiB).capacity_bytes == 3 * MiB
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _pool(budget=MiB, chunk=MiB, needed=MiB).acquire(2 * MiB)
+
+
+def test_arena_is_not_resized_under_staged_chunks():
+    pool = _pool(budget=8 * MiB, chunk=MiB, needed=MiB)
+    pool.acquire(MiB)
+    with pytest.raises(RuntimeError, match="while chunks are staged"):
+        pool.reserve(needed_bytes=4 * MiB, pin=False)
+
+
+class CountingGate(SlowBackend):
+    """Chunk writes are held by the gate; counts the writes that have finished."""
+
+    def __init__(self, root, gate):
+        super().__init__(root, gate=gate)
+        self.finished = 0
+
+    def put(self, path, parts):
+        n = super().put(path, parts)
+        if path.startswith("chunks/"):
+            self.finished += 1
+        return n
+
+
+def test_many_small_tensors_stage_in_one_pass_while_writes_are_held(tmp_path):
+    """Twenty 1.5 MiB tensors (too big to pack) with 4 MiB chunks: each chunk takes a range of
+    its own size, so staging completes before a single chunk has been written (with one 4 MiB
+    slot per chunk and an arena sized to the state, it had to wait for writes to free slots)."""
+    state = {f"t{i}": torch.full((384 * 1024,), float(i)) for i in range(20)}
+    gate = threading.Event()
+    with flashckpt.Checkpointer(
+        tmp_path, async_save=True, chunk_size="4MiB", host_memory_budget="64MiB"
+    ) as ck:
+        backend = CountingGate(tmp_path, gate)
+        ck.store.backend = backend
+        try:
+            handle = ck.save(1, state)  # no optimizer in the state: returns when staged
+            assert handle.staged.done()
+            assert backend.finished == 0, "staging waited for chunk writes"
+            assert ck._pool.capacity_bytes < 40 * MiB  # 30 MiB staged, not 20 x 4 MiB
+        finally:
+            gate.set()
+        handle.wait(timeout=60)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        ck.restore(out)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_a_failed_copy_gives_its_range_back(tmp_path, monkeypatch):
+    import numpy as np
+
+    from flashckpt.engine import save as save_mod
+
+    state = {"t": torch.randn(1 << 18)}
+    with flashckpt.Checkpointer(tmp_path, async_save=True, chunk_size="256KiB") as ck:
+        real = save_mod.np.copyto
+        calls = {"n": 0}
+
+        def broken(dst, src):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise MemoryError("injected copy failure")
+            return real(dst, src)
+
+        monkeypatch.setattr(save_mod.np, "copyto", broken)
+        with pytest.raises(flashckpt.SaveError, match="injected copy failure"):
+            ck.save(1, state).wait(timeout=60)
+        monkeypatch.setattr(save_mod.np, "copyto", np.copyto)
+        assert ck._pool._taken == {}, "every range came back"
+        with torch.no_grad():
+            state["t"].add_(1)
+        ck.save(2, state).wait(timeout=60)  # the pool is whole: the next save works
+    out = {"t": torch.zeros(1 << 18)}
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        assert ck.restore(out) == 2
+    assert torch.equal(out["t"], state["t"])

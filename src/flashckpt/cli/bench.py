@@ -85,7 +85,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 "batch": 16, "block": 256}  # fmt: skip
     else:
         loop = {"steps": 60, "every": 10, "n_embd": 512, "n_head": 8, "n_layer": 6, "batch": 4,
-                "block": 32}  # fmt: skip
+                "block": 32, "rounds": args.repeats}  # fmt: skip
     return Plan(size_bytes=size, repeats=args.repeats, device=device,
                 rss_bytes=min(size // 8, 128 * MiB), rss_saves=40,
                 gil_bytes=min(size // 2, 512 * MiB), loop=loop)  # fmt: skip

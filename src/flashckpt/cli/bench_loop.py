@@ -46,6 +46,7 @@ class LoopConfig:
     batch: int = 8
     block: int = 128
     threads: int = 1  # intra-op threads of the training thread on CPU
+    rounds: int = 1  # each round runs every method once, between two runs without checkpoints
 
 
 # -- training loop ----------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def _loop(cfg: LoopConfig, model: GPT, opt: Any, method: str) -> dict[str, Any]:
     saver = None if method == "none" else _Saver(method, root, model, opt)
     g = torch.Generator().manual_seed(1)
     step_s: list[float] = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for step in range(1, cfg.steps + 1):
         ts = time.perf_counter()
         _train_step(model, opt, cfg, g)
@@ -117,6 +118,7 @@ def _loop(cfg: LoopConfig, model: GPT, opt: Any, method: str) -> dict[str, Any]:
             saver.save(step)
         step_s.append(time.perf_counter() - ts)
     loop_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0  # every thread of this process: training and saving
     tail_s = 0.0
     if saver is not None:
         tf = time.perf_counter()
@@ -125,6 +127,7 @@ def _loop(cfg: LoopConfig, model: GPT, opt: Any, method: str) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     out: dict[str, Any] = {
         "loop_s": loop_s,
+        "cpu_s": cpu_s,
         "mean_step_s": statistics.fmean(step_s),
         "median_step_s": statistics.median(step_s),
         "saves": cfg.steps // cfg.every if saver is not None else 0,
@@ -161,25 +164,44 @@ def _run_loop_bench(cfg: LoopConfig) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     for _ in range(3):  # warm-up: optimizer state exists, allocator settled
         _train_step(model, opt, cfg, g)
-    order = ["none", "torch_save", "dcp_async_save", "flashckpt_async", "none"]
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for method in order:
-        runs.setdefault(method, []).append(_loop(cfg, model, opt, method))
-    base = statistics.fmean(r["loop_s"] for r in runs["none"])
-    methods: dict[str, Any] = {"none": {**runs["none"][0], "loop_s": base}}
-    for method in order[1:-1]:
-        r = runs[method][0]
-        r["extra_per_save_s"] = (r["loop_s"] - base) / r["saves"]
-        r["slowdown"] = r["loop_s"] / base - 1.0
-        methods[method] = r
+    # Rounds interleave the methods with runs without checkpoints, and each method is compared
+    # with the two baseline runs around it: the shared machine drifts by more than the effect.
+    methods = ["torch_save", "dcp_async_save", "flashckpt_async"]
+    base_runs = [_loop(cfg, model, opt, "none")]
+    by_method: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for _ in range(cfg.rounds):
+        for method in methods:
+            by_method[method].append(_loop(cfg, model, opt, method))
+        base_runs.append(_loop(cfg, model, opt, "none"))
+    med = statistics.median
+    out_methods: dict[str, Any] = {
+        "none": {k: med(r[k] for r in base_runs) for k in ("loop_s", "cpu_s", "mean_step_s")}
+    }
+    for method, rs in by_method.items():
+        extra, extra_cpu = [], []
+        for i, r in enumerate(rs):
+            around = base_runs[i : i + 2]
+            extra.append((r["loop_s"] - statistics.fmean(b["loop_s"] for b in around)) / r["saves"])
+            extra_cpu.append(
+                (r["cpu_s"] - statistics.fmean(b["cpu_s"] for b in around)) / r["saves"]
+            )
+        out_methods[method] = {
+            **{k: med(r[k] for r in rs) for k in ("loop_s", "cpu_s", "mean_step_s", "mean_call_s")},
+            "saves": rs[0]["saves"],
+            "extra_per_save_s": med(extra),
+            "extra_per_save_runs_s": extra,
+            "extra_cpu_per_save_s": med(extra_cpu),
+            "slowdown": med(r["loop_s"] for r in rs) / out_methods["none"]["loop_s"] - 1.0,
+        }
     return {
         "state_bytes": state_nbytes(model, opt),
         "device": cfg.device,
         "steps": cfg.steps,
         "every": cfg.every,
         "torch_threads": cfg.threads if cfg.device == "cpu" else torch.get_num_threads(),
-        "baseline_runs_s": [r["loop_s"] for r in runs["none"]],
-        "methods": methods,
+        "rounds": cfg.rounds,
+        "baseline_runs_s": [r["loop_s"] for r in base_runs],
+        "methods": out_methods,
     }
 
 

@@ -146,18 +146,21 @@ def _save_table(save: dict[str, Any]) -> list[str]:
 def _loop_table(loop: dict[str, Any]) -> list[str]:
     lines = [
         f"Training loop on {loop['device']}: {loop['steps']} steps, a save every "
-        f"{loop['every']}, state {loop['state_bytes'] / 1e6:.0f} MB; baseline runs "
+        f"{loop['every']}, state {loop['state_bytes'] / 1e6:.0f} MB, "
+        f"{loop.get('rounds', 1)} round(s) (medians); baseline runs "
         f"{', '.join(_f(x, 2) for x in loop['baseline_runs_s'])} s",
         "",
-        "| method | loop s | mean step s | call s | extra per save s | slowdown |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | loop s | mean step s | call s | extra per save s | per round s "
+        "| extra CPU per save s | slowdown |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in loop["methods"].items():
         slow = r.get("slowdown")
+        rounds = " / ".join(_f(x) for x in r.get("extra_per_save_runs_s", [])) or "-"
         lines.append(
             f"| {name} | {_f(r['loop_s'], 2)} | {_f(r['mean_step_s'])} | "
-            f"{_f(r.get('mean_call_s'))} | {_f(r.get('extra_per_save_s'))} | "
-            f"{'-' if slow is None else f'{slow:+.1%}'} |"
+            f"{_f(r.get('mean_call_s'))} | {_f(r.get('extra_per_save_s'))} | {rounds} | "
+            f"{_f(r.get('extra_cpu_per_save_s'))} | {'-' if slow is None else f'{slow:+.1%}'} |"
         )
     return lines
 

@@ -24,18 +24,6 @@ def _aligned(nbytes: int, seed: int = 0) -> np.ndarray:
     return buf
 
 
-def _fs_takes_o_direct(path) -> bool:
-    fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | directio.O_DIRECT)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path / "probe")
-
-
 @pytest.mark.parametrize(
     "parts",
     [
@@ -63,7 +51,7 @@ def test_write_parts_stores_exact_bytes_whatever_the_alignment(tmp_path, parts):
     assert path.read_bytes() == expected
     assert res.written == len(expected)
     assert res.direct_bytes % ALIGN == 0 and res.direct_bytes <= len(expected)
-    if parts == [(ALIGN * 8, 0)] and _fs_takes_o_direct(tmp_path):
+    if parts == [(ALIGN * 8, 0)] and directio.supported(tmp_path):
         assert res.direct_bytes == ALIGN * 8 and not res.direct_refused
 
 
@@ -72,7 +60,7 @@ def test_disk_tier_writes_staged_chunks_past_the_page_cache(tmp_path, make_state
     with flashckpt.Checkpointer(tmp_path, async_save=True, chunk_size="64KiB") as ck:
         ck.save(1, state).wait()
         direct = ck.store.backend.direct_bytes
-    if _fs_takes_o_direct(tmp_path):
+    if directio.supported(tmp_path):
         assert direct > 0, "staged chunks are page-aligned and should be written with O_DIRECT"
     else:
         assert direct == 0
@@ -125,7 +113,7 @@ def test_device_refusing_the_alignment_mid_write_finishes_buffered(tmp_path, mon
     data = _aligned(ALIGN * 16 + 5)
     backend.put("chunks/cd/two", [data])
     assert backend.read("chunks/cd/two") == data.tobytes()
-    if _fs_takes_o_direct(tmp_path):
+    if directio.supported(tmp_path):
         assert calls["direct"] == 1 and backend.direct_io is False
 
 

@@ -19,6 +19,7 @@ from flashckpt.engine.promote import Promotion
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.journal import read_events
 from flashckpt.policy import KeepEvery, KeepLast
+from flashckpt.store import directio
 from flashckpt.store.remote import FsspecBackend
 
 FAST = Promotion(retries=20, backoff_s=0.05, max_backoff_s=0.2)
@@ -107,6 +108,49 @@ def test_chunks_present_in_a_tier_are_not_copied_again(tmp_path: Path, shm_dir: 
     assert 0 < by_step[3]["bytes"] < 600 * 600 * 4
 
 
+def test_promotion_copies_verified_chunks_past_the_page_cache(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raw chunks travel memory -> disk through one reused page-aligned buffer, are verified on
+    the way (a damaged memory copy never reaches the disk), and land with O_DIRECT."""
+    root = tmp_path / "ck"
+    m = _model()
+    real_read = promote.Scratch.view
+    damage: dict[str, Any] = {"on": False, "tier": shm_dir / "x"}
+
+    def view_then_damage(self: promote.Scratch, nbytes: int) -> memoryview:
+        mv = real_read(self, nbytes)
+        if damage["on"]:  # flip a byte of the memory tier's file just before it is read
+            big = max(
+                (p for p in (damage["tier"] / "chunks").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size,
+            )
+            raw = bytearray(big.read_bytes())
+            raw[7] ^= 0x01
+            big.write_bytes(bytes(raw))
+            damage["on"] = False
+        return mv
+
+    monkeypatch.setattr(promote.Scratch, "view", view_then_damage)
+    with flashckpt.Checkpointer(root, memory_tier=shm_dir, promotion=FAST) as ck:
+        _bump(m)
+        ck.save(1, {"m": m})
+        disk = ck.store.backend
+    # close() waited for promotion
+    assert _steps(root) == [1]
+    assert (disk.direct_bytes > 0) == directio.supported(root)
+    with flashckpt.Checkpointer(root) as ck:  # the disk tier alone
+        fresh = _model(seed=1)
+        assert ck.restore({"m": fresh}) == 1 and _same(fresh, m)
+    with flashckpt.Checkpointer(root / "x", memory_tier=shm_dir / "x", promotion=FAST) as ck:
+        damage["on"] = True
+        _bump(m)
+        ck.save(2, {"m": m})
+    assert _steps(root / "x") == [], "the damaged memory copy must not be promoted"
+    corrupt = _events(root / "x", "corrupt")
+    assert corrupt and corrupt[-1]["tier"] == "memory" and corrupt[-1]["step"] == 2
+
+
 def test_restore_prefers_fastest_and_falls_back_on_a_damaged_copy(
     tmp_path: Path, shm_dir: Path
 ) -> None:
@@ -185,9 +229,9 @@ def test_pins_keep_chunks_alive_until_promoted(
 ) -> None:
     real_copy = promote.copy_step
 
-    def slow_copy(src: Any, dst: Any, manifest: Any) -> tuple[int, int]:
+    def slow_copy(src: Any, dst: Any, manifest: Any, scratch: Any = None) -> tuple[int, int]:
         time.sleep(0.15)  # memory retention runs (and deletes) meanwhile
-        return real_copy(src, dst, manifest)
+        return real_copy(src, dst, manifest, scratch)
 
     monkeypatch.setattr(promote, "copy_step", slow_copy)
     root = tmp_path / "ck"

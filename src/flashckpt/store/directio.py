@@ -67,6 +67,19 @@ def write_parts(fd: int, parts: Sequence[Any], *, direct: bool) -> WriteResult:
     return res
 
 
+def supported(directory: str | os.PathLike[str]) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT (creates and removes a probe file)."""
+    if not O_DIRECT:
+        return False
+    probe = os.path.join(directory, f".direct-probe-{os.getpid()}")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        return _set_direct(fd, True)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def _aligned_len(mv: memoryview, offset: int) -> int:
     """Bytes of ``mv`` that may be written with O_DIRECT at file ``offset`` (0: none)."""
     if offset % ALIGN or len(mv) < ALIGN:

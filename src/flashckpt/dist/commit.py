@@ -55,8 +55,8 @@ class DistSaveJob(SaveJob):
         self._posted = False  # this rank has posted its status to the "save" phase
         self._missing = False  # a rank never arrived: leave cleanup to the next gc
 
-    def _manifest(self) -> Manifest:
-        m = super()._manifest()
+    def build_manifest(self) -> Manifest:
+        m = super().build_manifest()
         m.rank_trees = {str(self.dist.rank): {n: m.tree[n] for n in self.per_rank}}
         return m
 
@@ -83,24 +83,18 @@ class DistSaveJob(SaveJob):
             self._missing = self.barrier.timed_out
             raise
 
-    def _fail(self, exc: BaseException) -> None:
-        if not self._posted:  # failed before its part: tell the others, agree on one error
-            self._posted = True
-            with self._p.lock:
-                self._p.error = self._p.error or exc
-            for f in self._p.pending:
-                try:
-                    f.result()
-                except BaseException:
-                    pass
-            try:
-                self._phase("save", _describe("staging/persisting", exc))
-            except DistributedError as agreed:
-                agreed.__cause__ = exc
-                exc = agreed
-        super()._fail(exc)
+    def agree_failure(self, exc: BaseException) -> BaseException:
+        if self._posted:  # failed in or after the "save" phase: the ranks already agreed
+            return exc
+        self._posted = True  # failed before its part: tell the others, agree on one error
+        try:
+            self._phase("save", _describe("staging/persisting", exc))
+        except DistributedError as agreed:
+            agreed.__cause__ = exc
+            return agreed
+        return exc
 
-    def _cleanup(self) -> None:
+    def cleanup_after_failure(self) -> None:
         if self._missing:
             return
         store = self.ctx.store

@@ -49,6 +49,13 @@ class _Progress:
 
 
 class SaveJob:
+    """One save on its staging thread: :meth:`run` stages, persists and commits.
+
+    Extension points for a commit protocol (``dist/commit.py`` uses them): :meth:`build_manifest`
+    (what this rank commits), :meth:`agree_failure` (turn a local failure into the error every
+    participant reports) and :meth:`cleanup_after_failure` (remove what the failed save wrote).
+    """
+
     def __init__(
         self,
         *,
@@ -85,7 +92,7 @@ class SaveJob:
             for f in self._p.pending:
                 f.result()
             self._raise_if_failed()
-            manifest = self._manifest()
+            manifest = self.build_manifest()
             self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
             self.manifest = manifest
             stats.background_s = time.perf_counter() - self.t0
@@ -279,7 +286,8 @@ class SaveJob:
             raise err
 
     # -- commit / failure -------------------------------------------------------------------
-    def _manifest(self) -> Manifest:
+    def build_manifest(self) -> Manifest:
+        """This rank's manifest of the save, once every chunk is durable."""
         order: dict[str, int] = {}
         chunks: list[ChunkRef] = []
         for h in self.hashes:
@@ -320,11 +328,22 @@ class SaveJob:
         )
 
     def _fail(self, exc: BaseException) -> None:
+        self.stop_workers(exc)
+        exc = self.agree_failure(exc)
+        self.cleanup_after_failure()
+        err = as_save_error(exc, self.handle.step)
+        for fut in (self.handle.staged, self.handle.durable):
+            if not fut.done():
+                fut.set_exception(err)
+
+    def stop_workers(self, exc: BaseException) -> None:
+        """Record the first error (workers stop taking chunks), give back the staging ranges of
+        chunks never handed to a worker, and wait until no worker is running."""
         with self._p.lock:
             if self._p.error is None:
                 self._p.error = exc
         deferred, self._deferred = self._deferred, []
-        for args in deferred:  # staged but never handed to a worker: give the slots back
+        for args in deferred:
             if self.ctx.pool is not None:
                 self.ctx.pool.release(args[4])
         for f in self._p.pending:
@@ -332,13 +351,12 @@ class SaveJob:
                 f.result()
             except BaseException:
                 pass
-        self._cleanup()
-        err = as_save_error(exc, self.handle.step)
-        for fut in (self.handle.staged, self.handle.durable):
-            if not fut.done():
-                fut.set_exception(err)
 
-    def _cleanup(self) -> None:
+    def agree_failure(self, exc: BaseException) -> BaseException:
+        """The error this save fails with (single rank: its own)."""
+        return exc
+
+    def cleanup_after_failure(self) -> None:
         """Remove chunks this save wrote that no committed checkpoint references."""
         if not self._p.written:
             return

@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.commit import DistSaveJob
@@ -55,6 +58,49 @@ class DistRuntime:
     @property
     def lock_name(self) -> str:
         return f"rank-{self.ctx.rank}"
+
+    def check_shared(self, dirs: Mapping[str, Path]) -> None:
+        """Every rank must see the same directory for each local tier (``{tier: dir}``): the
+        ranks commit one checkpoint together and rank 0 merges their parts. Rank 0 drops a
+        marker file in each; the others look for it. A directory that is node-local on a
+        multi-node run (a memory tier in /dev/shm, a root on a local disk) is a ConfigError
+        on every rank, here rather than at the first save."""
+        barrier = self.ctx.barrier("shared-dirs")
+        token, error = "", None
+        if self.rank == 0:
+            token = uuid.uuid4().hex
+            try:
+                for d in dirs.values():
+                    (d / f".flashckpt-shared-{token}").touch()
+            except OSError as exc:
+                error = f"rank 0 cannot write a marker in {exc.filename}: {exc.strerror}"
+        token = barrier.exchange("mark", {"token": token, "error": error})[0]["token"]
+        unseen = [
+            name
+            for name, d in dirs.items()
+            if self.rank != 0 and not (d / f".flashckpt-shared-{token}").exists()
+        ]
+        seen = barrier.exchange("look", {"unseen": unseen, "error": error})
+        if self.rank == 0:
+            for d in dirs.values():
+                try:
+                    os.unlink(d / f".flashckpt-shared-{token}")
+                except OSError:
+                    pass
+        if seen[0]["error"]:
+            raise ConfigError(seen[0]["error"])
+        bad = {r: v["unseen"] for r, v in enumerate(seen) if v["unseen"]}
+        if bad:
+            what = "; ".join(
+                f"rank {r} cannot see rank 0's {', '.join(f'{n} tier {dirs[n]}' for n in names)}"
+                for r, names in bad.items()
+            )
+            raise ConfigError(
+                f"checkpoint directories are not shared by all ranks ({what}). Under "
+                "torch.distributed the root must be on a filesystem every rank sees, and a "
+                "memory_tier (e.g. /dev/shm) works only when all ranks run on one node; "
+                "drop memory_tier= on multi-node runs"
+            )
 
     def split(self, captured: Captured, state: Mapping[str, Any]) -> None:
         self._per_rank = split_for_rank(

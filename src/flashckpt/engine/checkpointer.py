@@ -24,7 +24,7 @@ from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
 from flashckpt.engine.save import Committer, SaveJob
 from flashckpt.engine.staging import StagingPool
-from flashckpt.engine.tiers import Tier, TierSet, build_tiers
+from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
@@ -118,10 +118,18 @@ class Checkpointer:
                 remote_options=remote_options,
                 keep_remote=keep_remote,
                 fsync=fsync,
+                lock_name=self._dist.lock_name if self._dist else "writer",
             )
         except BaseException:
             self._lock.release()
             raise
+        if self._dist is not None:
+            try:
+                self._dist.check_shared({t.name: t.path for t in tiers if t.path is not None})
+            except BaseException:
+                release_locks(tiers)
+                self._lock.release()
+                raise
         self._tiers = TierSet(
             tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._inflight.pinned
         )

@@ -105,27 +105,52 @@ def build_tiers(
     remote_options: Mapping[str, Any] | None,
     keep_remote: RetentionPolicy | int | None,
     fsync: bool,
+    lock_name: str = "writer",
 ) -> list[Tier]:
-    """The configured tiers, fastest first; the memory tier's writer lock is taken here."""
+    """The configured tiers, fastest first; the memory tier's writer lock (``lock_name``: one
+    per rank under torch.distributed, like the root's) is taken here."""
     tiers: list[Tier] = []
+    try:
+        _add_tiers(tiers, local, local_root, keep, memory_tier, keep_memory, fsync, lock_name)
+        if remote is not None:
+            from flashckpt.store.remote import FsspecBackend
+
+            backend = FsspecBackend(remote, options=remote_options)
+            tiers.append(
+                Tier(name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote))
+            )
+    except BaseException:
+        release_locks(tiers)
+        raise
+    return tiers
+
+
+def release_locks(tiers: list[Tier]) -> None:
+    for t in tiers:
+        if t.lock is not None:
+            t.lock.release()
+
+
+def _add_tiers(
+    tiers: list[Tier],
+    local: CheckpointStore,
+    local_root: Path,
+    keep: RetentionPolicy,
+    memory_tier: str | os.PathLike[str] | None,
+    keep_memory: RetentionPolicy | int | None,
+    fsync: bool,
+    lock_name: str,
+) -> None:
     if memory_tier is not None:
         mem = Path(memory_tier).expanduser().absolute()
         if mem == local_root:
             raise StorageError(f"memory_tier {mem} is the checkpoint root itself; give /dev/shm/..")
-        lock = WriterLock(mem)
+        lock = WriterLock(mem, name=lock_name)
         store = CheckpointStore(LocalBackend(mem, fsync=fsync))
         lock.acquire()
         keep_m = KeepLast(2) if keep_memory is None else as_retention(keep_memory)
         tiers.append(Tier(name="memory", store=store, keep=keep_m, path=mem, lock=lock))
     tiers.append(Tier(name="local", store=local, keep=keep, path=local_root))
-    if remote is not None:
-        from flashckpt.store.remote import FsspecBackend
-
-        backend = FsspecBackend(remote, options=remote_options)
-        tiers.append(
-            Tier(name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote))
-        )
-    return tiers
 
 
 class TierSet:

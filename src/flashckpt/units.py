@@ -47,12 +47,14 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_bytes(num_bytes: float) -> str:
-    """``25769803776`` -> ``'24.00 GiB'`` (binary units, two decimals)."""
+def format_bytes(num_bytes: float, *, significant: int | None = None) -> str:
+    """``25769803776`` -> ``'24.00 GiB'`` (binary units, two decimals), or with
+    ``significant=3`` -> ``'24 GiB'`` (for chart labels)."""
     value = float(num_bytes)
     sign = "-" if value < 0 else ""
     value = abs(value)
     for unit, scale in (("TiB", 1024**4), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if value >= scale:
-            return f"{sign}{value / scale:.2f} {unit}"
+            num = f"{value / scale:.{significant}g}" if significant else f"{value / scale:.2f}"
+            return f"{sign}{num} {unit}"
     return f"{sign}{int(value)} B"

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
+from flashckpt.units import format_bytes
+
 W, H = 640, 260
 LEFT, RIGHT, TOP, BOTTOM = 70, 16, 34, 44
 PALETTE = ("#2563eb", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#0891b2", "#db2777", "#65a30d")
@@ -38,10 +40,7 @@ def fmt_num(v: float) -> str:
 
 
 def fmt_bytes(v: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(v) >= size:
-            return f"{v / size:.3g} {unit}"
-    return f"{v:.0f} B"
+    return format_bytes(v, significant=3)
 
 
 def fmt_rate(v: float) -> str:

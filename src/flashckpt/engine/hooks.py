@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flashckpt.state.capture import Captured
-from flashckpt.state.dtensor import is_dtensor
+from flashckpt.state.dtensor import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,7 @@ def find_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    local: Any = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    return int(local.data_ptr())
+    return int(local_tensor(t).data_ptr())
 
 
 def protected_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:

@@ -22,6 +22,12 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (``t`` itself otherwise), without the shard
+    geometry :func:`local_shard` computes."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined, no-any-return]
+
+
 def local_shard(
     t: torch.Tensor, key: str
 ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool]:
@@ -41,7 +47,7 @@ def local_shard(
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     dt: Any = t
-    local = dt.to_local()
+    local = local_tensor(dt)
     shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     if tuple(shape) != tuple(local.shape):
         raise UnsupportedStateError(

@@ -34,6 +34,7 @@ class StagingPool:
         self.budget_bytes = max(budget_bytes, self.chunk_bytes)
         self._arena: torch.Tensor | None = None
         self._pinned = False
+        self._pin_tried = False
         self._free: list[tuple[int, int]] = []  # (start, end) byte ranges, sorted, merged
         self._taken: dict[int, int] = {}  # start -> length of each range handed out
         self._cond = threading.Condition()
@@ -51,16 +52,28 @@ class StagingPool:
         sizes), never beyond the budget and never below one chunk. Called between saves only;
         the arena grows at most once per new high-water mark."""
         want = min(self.budget_bytes, max(self.chunk_bytes, aligned(needed_bytes)))
+        if pin:
+            want = self._pinned_size(want)
         with self._cond:
             if self._taken:
                 raise RuntimeError("staging pool resized while chunks are staged")
-            if want <= self.capacity_bytes and (self._pinned or not pin):
-                return
+            if want <= self.capacity_bytes and (self._pin_tried or not pin):
+                return  # (pinning is tried once: a host that refused it is not asked again)
             want = max(want, self.capacity_bytes)
             self._arena = None
             self._arena = _alloc(want, pin)
             self._pinned = pin and self._arena.is_pinned()
+            self._pin_tried = self._pin_tried or pin
             self._free = [(0, want)]
+
+    def _pinned_size(self, want: int) -> int:
+        """torch's pinned-memory allocator rounds every request up to a power of two, so a
+        pinned arena of ``want`` bytes costs the next power of two: use all of it when that
+        fits the budget, else the largest power of two that does (at least one chunk)."""
+        up = 1 << (want - 1).bit_length()
+        if up <= self.budget_bytes:
+            return up
+        return max(self.chunk_bytes, 1 << (self.budget_bytes.bit_length() - 1))
 
     def try_acquire(self, nbytes: int) -> int | None:
         """The start of a free range of ``nbytes`` (first fit), or None when none is free."""
@@ -111,15 +124,20 @@ class StagingPool:
 
 def _alloc(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` starting on a 4096-byte boundary."""
-    raw: torch.Tensor | None = None
     if pin:
         try:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if raw.data_ptr() % ALIGN == 0:  # cudaHostAlloc returns whole pages
+                return raw
             raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+            return _aligned_slice(raw, nbytes)
         except RuntimeError as exc:
             log.warning(
                 "could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc
             )
-    if raw is None:
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    return _aligned_slice(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
+
+
+def _aligned_slice(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + nbytes]

@@ -328,7 +328,7 @@ class SaveJob:
         )
 
     def _fail(self, exc: BaseException) -> None:
-        self.stop_workers(exc)
+        self._stop_workers(exc)
         exc = self.agree_failure(exc)
         self.cleanup_after_failure()
         err = as_save_error(exc, self.handle.step)
@@ -336,7 +336,7 @@ class SaveJob:
             if not fut.done():
                 fut.set_exception(err)
 
-    def stop_workers(self, exc: BaseException) -> None:
+    def _stop_workers(self, exc: BaseException) -> None:
         """Record the first error (workers stop taking chunks), give back the staging ranges of
         chunks never handed to a worker, and wait until no worker is running."""
         with self._p.lock:

@@ -89,16 +89,16 @@ def test_bad_arguments_name_themselves(call, name: str) -> None:  # type: ignore
 
 def _history(fail_gaps: list[float], *, restart: float = 60.0) -> list[dict]:
     events: list[dict] = [{"t": 0.0, "event": "run_start", "clean_previous": True, "pid": 1}]
-    t, start = 0.0, 0.0
+    t = 0.0
     for gap in fail_gaps:
         t += gap
         events.append({"t": t, "event": "staged", "step": 1, "blocking_s": 2.0})
+        crashed_at = t
         t += restart
-        events += [
+        events += [  # in the order RunMarker.start journals them
+            {"t": t, "event": "crash_detected", "since_t": crashed_at, "last_step": 1},
             {"t": t, "event": "run_start", "clean_previous": False},
-            {"t": t, "event": "crash_detected", "since_t": start, "last_step": 1},
         ]
-        start = t
     return events
 
 
@@ -107,6 +107,31 @@ def test_crash_history_counts_uptime_failures_and_gaps() -> None:
     assert (hist.failures, hist.runs) == (2, 3)
     assert hist.uptime_s == pytest.approx(400.0)
     assert hist.gaps_s == pytest.approx((60.0, 60.0))
+
+
+def test_crash_history_ends_a_crashed_run_at_its_last_sign_of_life() -> None:
+    """The crashed run journaled its last save at t=10 but its run marker was ticked until
+    t=40 (``since_t``); the next process started at t=100. Downtime is 60 s, not 90 s: the
+    30 s of training after the last save are lost work, not a restart gap. Both pair orders
+    (crash_detected first, as RunMarker writes it, or run_start first) give one new run."""
+    for pair in (("crash_detected", "run_start"), ("run_start", "crash_detected")):
+        events = [
+            {"t": 0.0, "event": "run_start", "pid": 7},
+            {"t": 10.0, "event": "staged", "step": 5, "blocking_s": 0.1, "pid": 7},
+            *(
+                {"t": 100.0, "event": name, "since_t": 40.0, "clean_previous": False, "pid": 7}
+                for name in pair
+            ),
+            {"t": 150.0, "event": "run_end", "pid": 7},
+        ]
+        hist = crash_history(events)
+        assert (hist.failures, hist.runs) == (1, 2), pair
+        assert hist.gaps_s == pytest.approx((60.0,)), pair
+        assert hist.uptime_s == pytest.approx(40.0 + 50.0), pair
+    # a since_t outside the crashed run (a stale or foreign marker) is ignored
+    for e in events[2:4]:
+        e["since_t"] = -5.0
+    assert crash_history(events).gaps_s == pytest.approx((90.0,))
 
 
 def test_crash_history_ignores_other_ranks_and_clean_gaps() -> None:

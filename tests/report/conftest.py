@@ -27,8 +27,10 @@ def make_journal() -> list[dict[str, Any]]:
     phases = ("forward", "backward", "optimizer")
     for run in range(2):
         if run == 1:  # crash at step 470, restart, restore 400
+            # as RunMarker.start journals them: the crash (with the crashed run's last sign of
+            # life, its marker's last tick at step 470), then the new run's start
+            add(t + 95, "crash_detected", last_step=step, since_t=T0 + t)
             add(t + 95, "run_start", clean_previous=False)
-            add(t + 95, "crash_detected", last_step=step, since_t=T0)
             add(t + 110, "restore", step=400, tier="memory", seconds=12.0, bytes=3.1e9)
             add(t + 110, "steps_lost", from_step=401, to_step=step, steps=step - 400)
             t, step = t + 112, 400

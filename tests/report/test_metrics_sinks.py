@@ -83,7 +83,7 @@ def test_tensorboard_scalars(tmp_path: Path, events: list[dict[str, Any]]) -> No
     assert {"flashckpt/goodput", "flashckpt/save/blocking_s", "flashckpt/cost"} <= tags
     blocking = acc.Scalars("flashckpt/save/blocking_s")
     assert [s.step for s in blocking] == list(range(100, 1001, 100))
-    assert acc.Scalars("flashckpt/goodput")[0].value == pytest.approx(0.765, abs=0.01)
+    assert acc.Scalars("flashckpt/goodput")[0].value == pytest.approx(0.780, abs=0.01)
 
 
 def test_tensorboard_missing_is_a_clear_error(

@@ -45,7 +45,7 @@ def test_status_text(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "saves     10 (1 failed, 0 skipped)" in out
     assert "1 crash(es)" in out and "70 steps lost" in out
-    assert "goodput   76.5% · cost 0.46" in out
+    assert "goodput   78.0% · cost 0.46" in out
     assert len(out.splitlines()) == 7
 
 

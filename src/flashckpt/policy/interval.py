@@ -123,27 +123,51 @@ def _num(value: Any) -> float | None:
 
 
 def crash_history(events: Iterable[Mapping[str, Any]]) -> CrashHistory:
-    """Split the journal into runs at each ``run_start`` and total their uptime and failures.
+    """Split the journal into runs and total their uptime, failures and restart gaps.
 
-    A run ends at its last event; a run is clean when it logged ``run_end`` (or the next run
-    says ``clean_previous``). Without any ``run_start`` the whole journal counts as one run.
+    A run starts at ``run_start`` and ends at its last event; a run is clean when it logged
+    ``run_end`` (or the next run says ``clean_previous``). A restarted process journals
+    ``crash_detected`` (with ``since_t``, the crashed run's last sign of life: its run marker's
+    last step) right before its ``run_start``; both open the new run, and the crashed run ends
+    at ``since_t`` when that is later than its last event, so the gap is the downtime alone
+    (the steps it trained after its last checkpoint are counted as lost work, not as downtime).
+    Without any ``run_start`` the whole journal counts as one run.
     """
     evs = primary_events(events)
     runs: list[list[float]] = []  # [start, last]
     clean: list[bool] = []
     failures = 0
+    opener: Any = None  # pid of the process that opened the newest run, while it is fresh
+
+    def opens_run(e: Mapping[str, Any]) -> bool:
+        """A run_start/crash_detected opens a run unless it follows the other one of the pair
+        from the same process (nothing else journaled in between)."""
+        return not runs or opener is None or opener != e.get("pid", opener)
+
     for e in evs:
         t, name = float(e["t"]), e.get("event")
-        if name == "run_start" or not runs:
-            if name == "run_start" and runs and e.get("clean_previous") is True:
+        if name in ("crash_detected", "run_start"):
+            if opens_run(e):
+                if name == "run_start" and runs and e.get("clean_previous") is True:
+                    clean[-1] = True
+                runs.append([t, t])
+                clean.append(False)
+                opener = e.get("pid", "?")
+            if name == "crash_detected":
+                failures += 1
+                since = e.get("since_t")
+                if len(runs) > 1 and isinstance(since, (int, float)):
+                    crashed = runs[-2]
+                    if crashed[0] <= since <= runs[-1][0]:
+                        crashed[1] = max(crashed[1], float(since))
+        else:
+            if not runs:
+                runs.append([t, t])
+                clean.append(False)
+            opener = None
+            if name == "run_end":
                 clean[-1] = True
-            runs.append([t, t])
-            clean.append(False)
-        runs[-1][1] = t
-        if name == "crash_detected":
-            failures += 1
-        elif name == "run_end":
-            clean[-1] = True
+        runs[-1][1] = max(runs[-1][1], t)
     gaps = tuple(
         max(0.0, runs[i + 1][0] - runs[i][1]) for i in range(len(runs) - 1) if not clean[i]
     )

@@ -7,6 +7,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_async import SlowBackend
 
 import flashckpt
@@ -157,3 +159,37 @@ def test_a_failed_copy_gives_its_range_back(tmp_path, monkeypatch):
     with flashckpt.Checkpointer(tmp_path) as ck:
         assert ck.restore(out) == 2
     assert torch.equal(out["t"], state["t"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("take"), st.integers(1, 3 * MiB)),
+            st.tuples(st.just("give"), st.integers(0, 50)),
+        ),
+        max_size=60,
+    )
+)
+def test_ranges_never_overlap_and_all_space_comes_back(ops):
+    """Any sequence of takes and gives: taken ranges are aligned, disjoint and inside the
+    arena; the free list never overlaps a taken range; when all are given back the arena is
+    one free range again."""
+    pool = _pool(budget=8 * MiB, chunk=4 * MiB, needed=8 * MiB)
+    cap = pool.capacity_bytes
+    held: list[tuple[int, int]] = []
+    for op, arg in ops:
+        if op == "take":
+            start = pool.try_acquire(arg)
+            if start is not None:
+                held.append((start, start + aligned(arg)))
+        elif held:
+            start, _ = held.pop(arg % len(held))
+            pool.release(start)
+        spans = sorted(held + pool._free)
+        assert all(s % ALIGN == 0 and 0 <= s < e <= cap for s, e in spans)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
+        assert sum(e - s for s, e in spans) == cap  # nothing lost, nothing counted twice
+    for start, _ in held:
+        pool.release(start)
+    assert pool._free == [(0, cap)]

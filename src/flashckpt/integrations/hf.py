@@ -22,10 +22,15 @@ Trainer's four checkpoint *loading* methods (``_load_from_checkpoint``,
 ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``) are replaced on this
 instance by flashckpt restores; they are private Trainer methods, tested against transformers 5.
 
-Known limits: single process (one rank) is what is tested; the fp16 ``GradScaler`` and the
-states of ``ExportableState`` callbacks other than ``TrainerControl`` (e.g. early stopping) are
-not saved; the saved ``TrainerState`` is taken when the step ends, so its ``log_history`` lacks
-the log line of the saved step itself and ``total_flos`` lags by the last interval.
+**Under torchrun (DDP)** every rank runs the callback on the same steps, so every rank saves its
+part through flashckpt's distributed commit (replicated weights written once, per-rank RNG and
+``TrainerState``), and :func:`resume` is called on every rank; tested with 2 gloo ranks.
+
+Known limits: DDP is what is tested (not accelerate's FSDP or DeepSpeed plugins); the fp16
+``GradScaler`` and the states of ``ExportableState`` callbacks other than ``TrainerControl``
+(e.g. early stopping) are not saved; the saved ``TrainerState`` is taken when the step ends, so
+its ``log_history`` lacks the log line of the saved step itself and ``total_flos`` lags by the
+last interval.
 """
 
 from __future__ import annotations
@@ -120,8 +125,6 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
         if not control.should_save:
             return
         control.should_save = False  # the Trainer writes no checkpoint-N directory
-        if not _is_main_process(kw):
-            return
         step = int(state.global_step)
         if step == self._last_saved:
             return  # already saved (a step end followed by the epoch end)
@@ -141,17 +144,6 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
         if kw.get("lr_scheduler") is not None:
             out["sched"] = unwrap(kw["lr_scheduler"])
         return out
-
-
-def _is_main_process(kw: dict[str, Any]) -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(
-            "FlashCkptCallback is tested for single-process training only; for torchrun/DDP "
-            "use flashckpt.Checkpointer directly in a plain training loop"
-        )
-    return True
 
 
 def find_callback(trainer: Any) -> FlashCkptCallback:

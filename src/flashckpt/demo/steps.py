@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,5 +85,6 @@ def show_report(cfg: dict[str, Any], out: Path) -> None:
     ):
         say(f"    {cmd}")
     subprocess.run([sys.executable, "-m", "flashckpt.cli", "ls", cfg["disk"]], check=False)
-    if cfg.get("memory"):
-        say(f"  the memory tier's copies stay in {cfg['memory']} (RAM) until you remove it")
+    if cfg.get("memory"):  # it lives in RAM: a demo should not keep holding it
+        shutil.rmtree(cfg["memory"], ignore_errors=True)
+        say(f"  removed the memory tier {cfg['memory']} (RAM); every step above is also on disk")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.engine import promote, tiers
+from flashckpt.engine import promote, tiercopy, tiers
 from flashckpt.engine.promote import Promotion
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.journal import read_events
@@ -111,16 +111,16 @@ def test_chunks_present_in_a_tier_are_not_copied_again(tmp_path: Path, shm_dir: 
 def test_promotion_copies_verified_chunks_past_the_page_cache(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Raw chunks travel memory -> disk through one reused page-aligned buffer, are verified on
-    the way (a damaged memory copy never reaches the disk), and land with O_DIRECT."""
+    """Raw chunks travel memory -> disk through page-aligned buffers, are verified on the way
+    (a damaged memory copy never reaches the disk), and land with O_DIRECT."""
     root = tmp_path / "ck"
     m = _model()
-    real_read = promote.Scratch.view
+    real_copy = tiercopy.ChunkCopier.copy
     damage: dict[str, Any] = {"on": False, "tier": shm_dir / "x"}
 
-    def view_then_damage(self: promote.Scratch, nbytes: int) -> memoryview:
-        mv = real_read(self, nbytes)
-        if damage["on"]:  # flip a byte of the memory tier's file just before it is read
+    def damage_then_copy(self: Any, *args: Any) -> Any:
+        if damage["on"]:  # flip a byte of the memory tier's biggest chunk just before the copy
+            damage["on"] = False
             big = max(
                 (p for p in (damage["tier"] / "chunks").rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size,
@@ -128,10 +128,9 @@ def test_promotion_copies_verified_chunks_past_the_page_cache(
             raw = bytearray(big.read_bytes())
             raw[7] ^= 0x01
             big.write_bytes(bytes(raw))
-            damage["on"] = False
-        return mv
+        return real_copy(self, *args)
 
-    monkeypatch.setattr(promote.Scratch, "view", view_then_damage)
+    monkeypatch.setattr(tiercopy.ChunkCopier, "copy", damage_then_copy)
     with flashckpt.Checkpointer(root, memory_tier=shm_dir, promotion=FAST) as ck:
         _bump(m)
         ck.save(1, {"m": m})
@@ -229,9 +228,9 @@ def test_pins_keep_chunks_alive_until_promoted(
 ) -> None:
     real_copy = promote.copy_step
 
-    def slow_copy(src: Any, dst: Any, manifest: Any, scratch: Any = None) -> tuple[int, int]:
+    def slow_copy(src: Any, dst: Any, manifest: Any, copier: Any) -> tuple[int, int]:
         time.sleep(0.15)  # memory retention runs (and deletes) meanwhile
-        return real_copy(src, dst, manifest, scratch)
+        return real_copy(src, dst, manifest, copier)
 
     monkeypatch.setattr(promote, "copy_step", slow_copy)
     root = tmp_path / "ck"
@@ -293,6 +292,8 @@ def test_bad_tier_options_are_config_errors(tmp_path: Path) -> None:
         flashckpt.Checkpointer(tmp_path / "a", remote="bucket-without-scheme")
     with pytest.raises(ConfigError):
         Promotion(retries=0)
+    with pytest.raises(ConfigError, match="workers"):
+        Promotion(workers=0)
     with pytest.raises(ConfigError):
         flashckpt.Checkpointer(tmp_path / "b", handle_sigterm=True, grace_period_s=0)
     with pytest.raises(ConfigError):
@@ -341,3 +342,67 @@ def test_ls_shows_the_tiers_of_each_step(
         check=True,
     ).stdout
     assert {ln.split()[0]: ln.split()[-1] for ln in out.splitlines()[2:]}["3"] == "local"
+
+
+def test_promotion_copies_several_chunks_at_once(tmp_path: Path, shm_dir: Path) -> None:
+    import threading
+
+    from flashckpt.store.backend import LocalBackend
+
+    state = {"peak": 0, "active": 0}
+    lock = threading.Lock()
+
+    class Counting(LocalBackend):
+        def put(self, path: str, parts: Any) -> int:
+            if not path.startswith("chunks/"):
+                return super().put(path, parts)
+            with lock:
+                state["active"] += 1
+                state["peak"] = max(state["peak"], state["active"])
+            try:
+                time.sleep(0.05)  # a slow disk or a remote request
+                return super().put(path, parts)
+            finally:
+                with lock:
+                    state["active"] -= 1
+
+    root = tmp_path / "ck"
+    m = _model()
+    opts = Promotion(workers=3, retries=3, backoff_s=0.05, max_backoff_s=0.1)
+    with flashckpt.Checkpointer(
+        root, memory_tier=shm_dir, promotion=opts, chunk_size="256KiB"
+    ) as ck:
+        ck.store.backend = Counting(root)  # the disk tier, where promotion writes
+        _bump(m)
+        ck.save(1, {"m": m})
+    assert 2 <= state["peak"] <= 3, state
+    promoted = _events(root, "promoted")
+    assert promoted and promoted[-1]["chunks"] >= 6  # the 1.4 MB weight in 256 KiB chunks
+    with flashckpt.Checkpointer(root) as ck:
+        fresh = _model(seed=1)
+        assert ck.restore({"m": fresh}) == 1 and _same(fresh, m)
+
+
+def test_chunk_copier_stops_at_the_first_error_and_raises_it() -> None:
+    from types import SimpleNamespace
+
+    from flashckpt.store.manifest import ChunkRef
+
+    puts: list[str] = []
+
+    def put_chunk(h: str, size: int, parts: Any, codec: str) -> ChunkRef:
+        puts.append(h)
+        if h == "b" * 32:
+            raise OSError(28, "No space left on device (injected)")
+        return ChunkRef(hash=h, size=size, codec=codec, stored_size=size)
+
+    src = SimpleNamespace(store=SimpleNamespace(read_chunk=lambda ref, step: b"x" * ref.size))
+    dst = SimpleNamespace(store=SimpleNamespace(put_chunk=put_chunk))
+    refs = [ChunkRef(hash=c * 32, size=8, codec="zstd", stored_size=4) for c in "abcdef"]
+    copier = tiercopy.ChunkCopier(1)
+    with pytest.raises(OSError, match="injected"):
+        copier.copy(src, dst, refs, 1)  # type: ignore[arg-type]
+    assert puts == ["a" * 32, "b" * 32], "no chunk is started after the first error"
+    puts.clear()
+    ok = copier.copy(src, dst, [refs[0], refs[2]], 1)  # type: ignore[arg-type]
+    assert [r.hash for r in ok] == ["a" * 32, "c" * 32]

@@ -2,8 +2,9 @@
 
 One thread (owned here, started lazily) takes promotion tasks in order. For each slower tier
 that wants the step (its retention policy would keep it and it does not hold it yet) it copies
-the chunks the tier lacks (by hash; each chunk is read back and verified first, so a damaged
-copy never spreads), then writes the manifest last, then applies that tier's retention. Every
+the chunks the tier lacks (by hash, several at once; each chunk is read back and verified
+first, so a damaged copy never spreads: :mod:`flashckpt.engine.tiercopy`), then writes the
+manifest last, then applies that tier's retention. Every
 chunk of a queued or running task is pinned, so no tier's garbage collection deletes it even if
 the source tier's retention already dropped the step.
 
@@ -14,9 +15,7 @@ with exponential backoff; after ``Promotion.retries`` attempts the tier is skipp
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import mmap
 import threading
 import time
 from collections import deque
@@ -24,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flashckpt.engine.tiercopy import ChunkCopier, copy_step
 from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.journal import Journal
-from flashckpt.store.directio import ALIGN
-from flashckpt.store.manifest import ChunkRef, Manifest
+from flashckpt.store.manifest import Manifest
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers import Tier
@@ -39,13 +38,15 @@ log = logging.getLogger(__name__)
 class Promotion:
     """How background promotion retries and how long ``close()`` waits for it.
 
-    ``retries``: attempts per step and tier; the k-th wait is
+    ``workers``: chunks copied at once (each keeps a chunk-sized buffer). ``retries``:
+    attempts per step and tier; the k-th wait is
     ``min(max_backoff_s, backoff_s * 2**k)``. ``close_timeout_s``: the most ``close()`` waits for
     queued promotions (None: until they finish or give up); what is left is journaled as
     ``promote_abandoned`` and stays in the faster tier.
     """
 
     retries: int = 8
+    workers: int = 4
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     close_timeout_s: float | None = None
@@ -53,6 +54,8 @@ class Promotion:
     def __post_init__(self) -> None:
         if not isinstance(self.retries, int) or self.retries < 1:
             raise ConfigError(f"Promotion(retries=) must be an int >= 1, got {self.retries!r}")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ConfigError(f"Promotion(workers=) must be an int >= 1, got {self.workers!r}")
         if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ConfigError("Promotion needs 0 <= backoff_s <= max_backoff_s")
         if self.close_timeout_s is not None and self.close_timeout_s < 0:
@@ -66,54 +69,6 @@ class PromoteTask:
     manifest: Manifest
     dsts: list[Tier]
     queued_t: float
-
-
-class Scratch:
-    """One page-aligned buffer that the promotion thread reuses for every raw chunk it copies:
-    the chunk can then be written with O_DIRECT, and no chunk-sized ``bytes`` is allocated
-    (and its pages faulted in) per chunk."""
-
-    def __init__(self) -> None:
-        self._buf: mmap.mmap | None = None
-
-    def view(self, nbytes: int) -> memoryview:
-        if self._buf is None or len(self._buf) < nbytes:
-            self._buf = mmap.mmap(-1, -(-max(nbytes, 1) // ALIGN) * ALIGN)  # page-aligned
-        return memoryview(self._buf)[:nbytes]
-
-
-def copy_step(
-    src: Tier, dst: Tier, manifest: Manifest, scratch: Scratch | None = None
-) -> tuple[int, int]:
-    """Copy the chunks ``dst`` lacks, then the manifest. Returns (bytes copied, chunks copied)."""
-    refs: list[ChunkRef] = []
-    written: list[str] = []
-    nbytes = 0
-    for ref in manifest.chunks:
-        have = dst.store.find_chunk(ref.hash)
-        if have is not None:
-            refs.append(
-                ChunkRef(
-                    hash=ref.hash,
-                    size=ref.size,
-                    codec=have.codec,
-                    stored_size=max(have.stored_size, 0),
-                )
-            )
-            continue
-        raw: bytes | memoryview
-        if scratch is not None and ref.codec == "raw":
-            raw = scratch.view(ref.size)
-            src.store.read_chunk_into(ref, raw, step=manifest.step)  # verified against its hash
-        else:
-            raw = src.store.read_chunk(ref, step=manifest.step)  # verified against its hash
-        new = dst.store.put_chunk(ref.hash, ref.size, [raw], ref.codec)
-        refs.append(new)
-        written.append(ref.hash)
-        nbytes += ref.size
-    copy = dataclasses.replace(manifest, chunks=refs)
-    dst.store.commit(copy, chunk_dirs=dst.store.chunk_dirs(written))
-    return nbytes, len(written)
 
 
 class Promoter:
@@ -138,7 +93,7 @@ class Promoter:
         self._busy = False
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._scratch = Scratch()  # used by the promotion thread only
+        self._copier = ChunkCopier(options.workers)
 
     def submit(self, task: PromoteTask) -> None:
         self._pin(task.manifest.chunk_hashes(), +1)
@@ -187,6 +142,8 @@ class Promoter:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
+        if thread is None or not thread.is_alive():
+            self._copier.close()
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -217,7 +174,7 @@ class Promoter:
                 if not self._wants(dst, task.step):
                     return
                 t0 = time.perf_counter()
-                nbytes, nchunks = copy_step(task.src, dst, task.manifest, self._scratch)
+                nbytes, nchunks = copy_step(task.src, dst, task.manifest, self._copier)
             except CorruptCheckpointError as exc:
                 self.journal.append("corrupt", step=task.step, tier=task.src.name, error=str(exc))
                 log.error("not promoting damaged step %d from %s: %s", task.step, task.src.url, exc)

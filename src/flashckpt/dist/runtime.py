@@ -32,6 +32,7 @@ class DistRuntime:
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self._per_rank: list[str] = []
+        self._decided: tuple[int, bool] | None = None
 
     @classmethod
     def detect(
@@ -101,6 +102,26 @@ class DistRuntime:
                 "memory_tier (e.g. /dev/shm) works only when all ranks run on one node; "
                 "drop memory_tier= on multi-node runs"
             )
+
+    def agreed_decision(self, step: int, decide: Callable[[], bool]) -> bool:
+        """Rank 0's answer to "save ``step``?" on every rank, for policies that read clocks or
+        measurements (each rank's would differ, and ranks that save different steps wait for
+        each other at the commit barrier until it times out). Rank 0 runs ``decide`` and posts
+        the answer in the c10d Store; the others wait for it (one Store round trip per step);
+        the last reader deletes the key."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]  # asked twice for one step: the same answer
+        store, key = self.ctx.store, f"{self.ctx.name}/should-save/{step}"
+        if self.rank == 0:
+            decision = decide()
+            store.set(key, b"1" if decision else b"0")
+        else:
+            decision = bytes(store.get(key)) == b"1"  # waits up to the Store's timeout
+            if store.add(f"{key}/read", 1) == self.world_size - 1:
+                store.delete_key(key)
+                store.delete_key(f"{key}/read")
+        self._decided = (step, decision)
+        return decision
 
     def split(self, captured: Captured, state: Mapping[str, Any]) -> None:
         self._per_rank = split_for_rank(

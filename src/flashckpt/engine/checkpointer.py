@@ -28,7 +28,7 @@ from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
-from flashckpt.policy.save import SavePolicy, as_save_policy
+from flashckpt.policy.save import SavePolicy, as_save_policy, step_based
 from flashckpt.state.capture import Captured, capture
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.lock import WriterLock
@@ -224,8 +224,12 @@ class Checkpointer:
         step_time = self._meter.tick(step, now)
         if step_time is not None and self._meter.journal_due():
             self.journal.append("step_time", step=step, seconds=step_time)
-        decision = self.save_policy.should_save(self._meter.stats(step, now))
-        info = self.save_policy.take_decision()
+        policy, stats = self.save_policy, self._meter.stats(step, now)
+        if self._dist is not None and not step_based(policy):  # all ranks: rank 0's answer
+            decision = self._dist.agreed_decision(step, lambda: policy.should_save(stats))
+        else:
+            decision = policy.should_save(stats)
+        info = policy.take_decision()
         if info:
             self.journal.append("interval", **info)
         return decision

@@ -206,6 +206,15 @@ class AnySave(_SaveComposable):
         return self._queue.pop(0) if self._queue else None
 
 
+def step_based(policy: SavePolicy) -> bool:
+    """True when ``policy`` decides from the step number alone (``EverySteps``, or ``|`` of
+    them): every rank of a distributed job then reaches the same decisions without talking.
+    Clock- and measurement-based policies (``EverySeconds``, ``Auto``, custom ones) do not."""
+    if isinstance(policy, EverySteps):
+        return True
+    return isinstance(policy, AnySave) and all(step_based(p) for p in policy.policies)
+
+
 def _recent_mean(values: Sequence[float]) -> float | None:
     tail = list(values)[-HISTORY_WINDOW:]
     return sum(tail) / len(tail) if tail else None

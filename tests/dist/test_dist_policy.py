@@ -1,0 +1,60 @@
+"""Save policies under torch.distributed: clock-based policies (EverySeconds, Auto) decide on
+rank 0 and every rank follows, so all ranks save the same steps although their clocks differ."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flashckpt import Checkpointer
+from flashckpt.policy import Auto, EverySeconds, EverySteps
+from flashckpt.policy.save import step_based
+from flashckpt.store.backend import LocalBackend
+from flashckpt.store.store import CheckpointStore
+
+pytestmark = pytest.mark.dist
+
+
+def policy_job(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    model = nn.Linear(8, 8)
+    policy = EverySeconds(0.12) if kind == "seconds" else Auto(mtbf_s=2.0, prior_cost_s=0.01)
+    decisions = []
+    with Checkpointer(root, fsync=False, save_policy=policy, dist_timeout_s=30) as ck:
+        for step in range(1, 25):
+            # rank 1's steps take twice as long: its own clock would pick other steps
+            time.sleep(0.02 * (1 + rank))
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            if ck.should_save(step):
+                decisions.append(step)
+                ck.save(step, {"model": model})
+        dist.barrier()
+        leftover = [
+            s for s in range(1, 25) if ck._dist.ctx.store.check([f"{ck._dist.ctx.name}/should-save/{s}"])
+        ]
+    return {"decisions": decisions, "leftover": leftover}
+
+
+@pytest.mark.parametrize("kind", ["seconds", "auto"])
+def test_clock_based_policy_saves_the_same_steps_on_every_rank(
+    ranks: Any, tmp_path: Path, kind: str
+) -> None:
+    root = tmp_path / "ckpt"
+    results = ranks.ok(ranks(policy_job, 2, tmp_path, str(root), kind))
+    first, second = results[0]["decisions"], results[1]["decisions"]
+    assert first and first == second, (first, second)
+    assert CheckpointStore(LocalBackend(root)).steps()[-1] == first[-1]
+    assert results[0]["leftover"] == [] and results[1]["leftover"] == [], "store keys removed"
+
+
+def test_step_based_policies_need_no_agreement() -> None:
+    assert step_based(EverySteps(5)) and step_based(EverySteps(5) | EverySteps(7))
+    assert not step_based(EverySeconds(60)) and not step_based(EverySteps(5) | EverySeconds(60))
+    assert not step_based(Auto(mtbf_s=3600.0))

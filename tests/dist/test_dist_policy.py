@@ -58,3 +58,44 @@ def test_step_based_policies_need_no_agreement() -> None:
     assert step_based(EverySteps(5)) and step_based(EverySteps(5) | EverySteps(7))
     assert not step_based(EverySeconds(60)) and not step_based(EverySteps(5) | EverySeconds(60))
     assert not step_based(Auto(mtbf_s=3600.0))
+
+
+def preempt_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    import os
+    import signal
+
+    from flashckpt.engine.preempt import Preempted
+
+    model = nn.Linear(8, 8)
+    step = 0
+    try:
+        with Checkpointer(
+            root,
+            fsync=False,
+            save_policy=100,
+            handle_sigterm=True,
+            emergency_save=True,
+            grace_period_s=20,
+            dist_timeout_s=30,
+        ) as ck:
+            for step in range(1, 40):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                if rank == 0 and step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)  # only rank 0 is signalled
+                if ck.should_save(step):
+                    ck.save(step, {"model": model})
+    except Preempted:
+        return {"stopped_at": step, "preempted": True}
+    return {"stopped_at": step, "preempted": False}
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_one_final_save(
+    ranks: Any, tmp_path: Path
+) -> None:
+    """Ranks receive SIGTERM at different moments (here only rank 0 does): rank 0 decides at
+    should_save, every rank takes the emergency save of that same step and exits cleanly."""
+    root = tmp_path / "ckpt"
+    results = ranks.ok(ranks(preempt_job, 2, tmp_path, str(root)))
+    assert results == [{"stopped_at": 5, "preempted": True}] * 2, results
+    assert CheckpointStore(LocalBackend(root)).steps() == [5]

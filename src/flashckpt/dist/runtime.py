@@ -32,7 +32,7 @@ class DistRuntime:
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self._per_rank: list[str] = []
-        self._decided: tuple[int, bool] | None = None
+        self._decided: tuple[int, str] | None = None
 
     @classmethod
     def detect(
@@ -103,25 +103,31 @@ class DistRuntime:
                 "drop memory_tier= on multi-node runs"
             )
 
-    def agreed_decision(self, step: int, decide: Callable[[], bool]) -> bool:
-        """Rank 0's answer to "save ``step``?" on every rank, for policies that read clocks or
-        measurements (each rank's would differ, and ranks that save different steps wait for
-        each other at the commit barrier until it times out). Rank 0 runs ``decide`` and posts
-        the answer in the c10d Store; the others wait for it (one Store round trip per step);
-        the last reader deletes the key."""
+    def verdict(self, step: int, *, stop: bool, save: Callable[[], bool]) -> str:
+        """What every rank does after ``step``: "preempt" when rank 0 was signalled (``stop``
+        on rank 0), else "save" or "skip" by rank 0's save policy (``save()``)."""
+        return self.agreed(step, lambda: "preempt" if stop else ("save" if save() else "skip"))
+
+    def agreed(self, step: int, decide: Callable[[], str]) -> str:
+        """Rank 0's verdict for ``step`` (a short word: "save", "skip", "preempt") on every
+        rank, for the decisions ranks could take differently: clock-based save policies, and
+        SIGTERM arriving at each rank at its own step (ranks that save different steps wait
+        for each other at the commit barrier until it times out). Rank 0 runs ``decide`` and
+        posts the verdict in the c10d Store; the others wait for it (one Store round trip per
+        step); the last reader deletes the key."""
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]  # asked twice for one step: the same answer
         store, key = self.ctx.store, f"{self.ctx.name}/should-save/{step}"
         if self.rank == 0:
-            decision = decide()
-            store.set(key, b"1" if decision else b"0")
+            verdict = decide()
+            store.set(key, verdict.encode())
         else:
-            decision = bytes(store.get(key)) == b"1"  # waits up to the Store's timeout
+            verdict = bytes(store.get(key)).decode()  # waits up to the Store's timeout
             if store.add(f"{key}/read", 1) == self.world_size - 1:
                 store.delete_key(key)
                 store.delete_key(f"{key}/read")
-        self._decided = (step, decision)
-        return decision
+        self._decided = (step, verdict)
+        return verdict
 
     def split(self, captured: Captured, state: Mapping[str, Any]) -> None:
         self._per_rank = split_for_rank(

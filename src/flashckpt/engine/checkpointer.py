@@ -24,7 +24,7 @@ from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
 from flashckpt.engine.save import Committer, SaveJob
 from flashckpt.engine.staging import StagingPool
-from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
+from flashckpt.engine.tiers import Tier, TierSet, build_tiers
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
@@ -119,17 +119,11 @@ class Checkpointer:
                 keep_remote=keep_remote,
                 fsync=fsync,
                 lock_name=self._dist.lock_name if self._dist else "writer",
+                check_shared=self._dist.check_shared if self._dist else None,
             )
         except BaseException:
             self._lock.release()
             raise
-        if self._dist is not None:
-            try:
-                self._dist.check_shared({t.name: t.path for t in tiers if t.path is not None})
-            except BaseException:
-                release_locks(tiers)
-                self._lock.release()
-                raise
         self._tiers = TierSet(
             tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._inflight.pinned
         )
@@ -158,6 +152,7 @@ class Checkpointer:
             self._preempt = Preemption(
                 grace_period_s=grace_period_s, emergency_save=emergency_save, journal=self.journal
             )
+            self._preempt.follows = self._dist is not None and self.rank != 0
             self._preempt.install()
 
     def __enter__(self) -> Checkpointer:
@@ -207,7 +202,7 @@ class Checkpointer:
     @property
     def preempted(self) -> bool:
         """True once SIGTERM arrived (``handle_sigterm=True``); see engine/preempt.py."""
-        return self._preempt is not None and self._preempt.signal_t is not None
+        return self._preempt is not None and self._preempt.active
 
     def should_save(self, step: int) -> bool:
         """Call once per training step with the step just completed: True when the save policy
@@ -217,16 +212,24 @@ class Checkpointer:
                 "should_save() needs a save policy: Checkpointer(..., save_policy=100) saves every "
                 "100 steps; flashckpt.policy.Auto(mtbf_s=...) picks the interval from measurements"
             )
-        if self._preempt is not None and self._preempt.at_should_save(self, step):
+        policy, preempt = self.save_policy, self._preempt
+        # under torch.distributed, rank 0 decides whenever the ranks could disagree: clock-based
+        # policies, and preemption (each rank receives SIGTERM at its own step)
+        agree = self._dist is not None and (preempt is not None or not step_based(policy))
+        if not agree and preempt is not None and preempt.at_should_save(self, step):
             return True
         now = time.time()
         self._marker.tick(step)
         step_time = self._meter.tick(step, now)
         if step_time is not None and self._meter.journal_due():
             self.journal.append("step_time", step=step, seconds=step_time)
-        policy, stats = self.save_policy, self._meter.stats(step, now)
-        if self._dist is not None and not step_based(policy):  # all ranks: rank 0's answer
-            decision = self._dist.agreed_decision(step, lambda: policy.should_save(stats))
+        stats = self._meter.stats(step, now)
+        if agree and self._dist is not None:
+            stop = preempt is not None and preempt.triggered  # only rank 0's counts
+            verdict = self._dist.verdict(step, stop=stop, save=lambda: policy.should_save(stats))
+            if verdict == "preempt" and preempt is not None:
+                return preempt.follow(self, step)
+            decision = verdict == "save"
         else:
             decision = policy.should_save(stats)
         info = policy.take_decision()

@@ -72,6 +72,10 @@ class Preemption:
         self.signal_t: float | None = None  # monotonic time of the signal
         self.last_step: int | None = None  # latest step seen by should_save
         self.finishing = False
+        # under torch.distributed, ranks other than 0 follow rank 0's decision (``follow``)
+        # instead of acting on their own signal, so that all ranks stop at the same step
+        self.follows = False
+        self.agreed = False
         self._previous: Any = None
         self._installed = False
 
@@ -102,8 +106,13 @@ class Preemption:
 
     # -- queries --------------------------------------------------------------------------
     @property
+    def active(self) -> bool:
+        """Signalled (a rank that follows rank 0: rank 0 decided to stop)."""
+        return self.signal_t is not None and (self.agreed or not self.follows)
+
+    @property
     def triggered(self) -> bool:
-        return self.signal_t is not None and not self.finishing
+        return self.active and not self.finishing
 
     def time_left(self) -> float:
         if self.signal_t is None:
@@ -128,6 +137,14 @@ class Preemption:
             return True
         self.finish(ckpt, step=step, state=None)
         return False  # pragma: no cover - finish raises
+
+    def follow(self, ckpt: Checkpointer, step: int) -> bool:
+        """Rank 0 decided to stop at ``step`` (torch.distributed): act as if signalled here."""
+        if self.signal_t is None:
+            self.signal_t = time.monotonic()
+            self.journal.append("preempted", signal=None, source="rank 0")
+        self.agreed = True
+        return self.at_should_save(ckpt, step)
 
     def at_save(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any]) -> None:
         """After the signal, ``save()`` becomes the final save (when configured) and exits."""

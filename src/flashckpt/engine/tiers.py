@@ -106,9 +106,11 @@ def build_tiers(
     keep_remote: RetentionPolicy | int | None,
     fsync: bool,
     lock_name: str = "writer",
+    check_shared: Callable[[dict[str, Path]], None] | None = None,
 ) -> list[Tier]:
     """The configured tiers, fastest first; the memory tier's writer lock (``lock_name``: one
-    per rank under torch.distributed, like the root's) is taken here."""
+    per rank under torch.distributed, like the root's) is taken here. ``check_shared`` (from
+    the distributed runtime) may refuse local tier directories that not every rank sees."""
     tiers: list[Tier] = []
     try:
         _add_tiers(tiers, local, local_root, keep, memory_tier, keep_memory, fsync, lock_name)
@@ -119,6 +121,8 @@ def build_tiers(
             tiers.append(
                 Tier(name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote))
             )
+        if check_shared is not None:
+            check_shared({t.name: t.path for t in tiers if t.path is not None})
     except BaseException:
         release_locks(tiers)
         raise

@@ -13,39 +13,18 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf import TOTAL, StopAt, Tokens, _losses
+from test_hf import StopAt, _losses, _trainer
 
-from flashckpt.integrations.hf import FlashCkptCallback, resume
+from flashckpt.integrations.hf import resume
 
 STOP = 4
 
 
 def trainer(tmp: Path, root: Path, *extra: Any) -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, resid_pdrop=0.1
-    )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp / "out"),
-        max_steps=TOTAL,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=2,
-        save_strategy="steps",
-        save_steps=STOP,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-        ddp_backend="gloo",
-    )
-    cb = FlashCkptCallback(root, async_save=True)
-    model = transformers.GPT2LMHeadModel(cfg)
-    return transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(), callbacks=[cb, *extra]
+    return _trainer(
+        tmp, root, *extra, save_steps=STOP, per_device_train_batch_size=2, ddp_backend="gloo"
     )
 
 

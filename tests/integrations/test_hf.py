@@ -40,7 +40,9 @@ class StopAt(transformers.TrainerCallback):  # type: ignore[misc]
             control.should_training_stop = True
 
 
-def _trainer(tmp: Path, root: Path, *extra: Any, save_steps: int = 4) -> Any:
+def _trainer(tmp: Path, root: Path, *extra: Any, save_steps: int = 4, **overrides: Any) -> Any:
+    """A Trainer of a tiny GPT-2 with the flashckpt callback; ``overrides`` go to
+    ``TrainingArguments`` (the DDP worker sets the batch size and the gloo backend)."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, resid_pdrop=0.1
@@ -49,7 +51,6 @@ def _trainer(tmp: Path, root: Path, *extra: Any, save_steps: int = 4) -> Any:
     args = transformers.TrainingArguments(
         output_dir=str(tmp / "out"),
         max_steps=TOTAL,
-        per_device_train_batch_size=4,
         learning_rate=1e-3,
         logging_steps=2,
         save_strategy="steps",
@@ -58,6 +59,7 @@ def _trainer(tmp: Path, root: Path, *extra: Any, save_steps: int = 4) -> Any:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        **{"per_device_train_batch_size": 4, **overrides},
     )
     cb = FlashCkptCallback(root, async_save=True)
     return transformers.Trainer(

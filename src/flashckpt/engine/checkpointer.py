@@ -225,6 +225,8 @@ class Checkpointer:
             self.journal.append("step_time", step=step, seconds=step_time)
         stats = self._meter.stats(step, now)
         if agree and self._dist is not None:
+            if preempt is not None:
+                preempt.last_step = step
             stop = preempt is not None and preempt.triggered  # only rank 0's counts
             verdict = self._dist.verdict(step, stop=stop, save=lambda: policy.should_save(stats))
             if verdict == "preempt" and preempt is not None:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from test_async import SlowBackend
 
 import flashckpt
-from flashckpt.engine.staging import StagingPool, aligned
-from flashckpt.store.directio import ALIGN
+from flashckpt.engine.staging import StagingPool
+from flashckpt.store.directio import ALIGN, aligned
 
 MiB = 1 << 20
 

@@ -11,8 +11,9 @@ import torch
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.layout import ChunkPlan, plan_chunks
 from flashckpt.engine.options import Options
-from flashckpt.engine.staging import StagingPool, aligned
+from flashckpt.engine.staging import StagingPool
 from flashckpt.state.capture import Captured
+from flashckpt.store.directio import aligned
 from flashckpt.store.dtypes import itemsize
 from flashckpt.store.store import CheckpointStore
 

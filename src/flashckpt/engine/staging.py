@@ -18,14 +18,9 @@ import threading
 
 import torch
 
-from flashckpt.store.directio import ALIGN
+from flashckpt.store.directio import ALIGN, aligned
 
 log = logging.getLogger(__name__)
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to the staging alignment."""
-    return -(-max(1, nbytes) // ALIGN) * ALIGN
 
 
 class StagingPool:

@@ -18,7 +18,7 @@ import mmap
 import threading
 from typing import TYPE_CHECKING
 
-from flashckpt.store.directio import ALIGN
+from flashckpt.store.directio import aligned
 from flashckpt.store.manifest import ChunkRef, Manifest
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class _Buffer:
 
     def view(self, nbytes: int) -> memoryview:
         if self._map is None or len(self._map) < nbytes:
-            self._map = mmap.mmap(-1, -(-max(nbytes, 1) // ALIGN) * ALIGN)
+            self._map = mmap.mmap(-1, aligned(nbytes))  # page-aligned, whole pages
         return memoryview(self._map)[:nbytes]
 
 

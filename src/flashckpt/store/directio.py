@@ -29,6 +29,11 @@ ALIGN = 4096
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS)
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` (at least 1) rounded up to a whole number of :data:`ALIGN` blocks."""
+    return -(-max(1, nbytes) // ALIGN) * ALIGN
+
+
 @dataclass
 class WriteResult:
     written: int = 0

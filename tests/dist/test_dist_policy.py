@@ -36,9 +36,8 @@ def policy_job(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
                 decisions.append(step)
                 ck.save(step, {"model": model})
         dist.barrier()
-        leftover = [
-            s for s in range(1, 25) if ck._dist.ctx.store.check([f"{ck._dist.ctx.name}/should-save/{s}"])
-        ]
+        ctx = ck._dist.ctx
+        leftover = [s for s in range(1, 25) if ctx.store.check([f"{ctx.name}/should-save/{s}"])]
     return {"decisions": decisions, "leftover": leftover}
 
 

@@ -149,8 +149,8 @@ def test_barrier_deletes_its_previous_keys() -> None:
         b.agree("two", None)
 
     assert _run_ranks(2, fn) == [None, None]
-    assert not store.check(["t/one/0"]) and not store.check(["t/one/1"])
-    assert store.check(["t/two/0"])
+    assert not any(store.check([f"t/one/{k}"]) for k in ("v0", "v1", "n", "full", "result"))
+    assert store.check(["t/two/v0"]) and store.check(["t/two/result"])
 
 
 def test_value_exchange_returns_rank_order() -> None:

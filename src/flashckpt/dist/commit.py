@@ -1,21 +1,26 @@
 """The distributed commit: every rank writes its part, rank 0 publishes one manifest.
 
-Numbered script of one distributed save (every rank runs it on its save thread):
+Numbered script of one distributed save (phases of :mod:`flashckpt.dist.attempt`):
 
-1. Stage and persist this rank's chunks (the ordinary :class:`SaveJob` pipeline).
-2. Write this rank's part ``steps/<step>.rank-<r>.json`` (its shards, its per-rank tree).
+1. ``plan`` (in ``save()``, before anything is written): rank 0 picks the tier for all ranks;
+   a failure on any rank so far (capture, placement validation, a pending error) is the same
+   :class:`DistributedError` on every rank, raised from ``save()``.
+2. Stage and persist this rank's chunks in that tier (the ordinary :class:`SaveJob` pipeline),
+   write this rank's part ``steps/<step>.rank-<r>.json`` (its shards, its per-rank tree).
 3. Barrier ``save``: every rank posts ok or its error. Any failure -> every rank raises the same
    :class:`DistributedError` naming phase ``save`` and the failing ranks; nothing is published.
-   A rank that fails before step 2 still posts its error here, so nobody waits for it.
-4. Rank 0 reads all parts, merges them (:func:`merge_parts`), writes ``steps/<step>.json`` (the
-   checkpoint now exists), deletes the parts, applies retention and garbage collection (the
-   other ranks wait, so no chunk of theirs is in flight).
-5. Barrier ``publish``: every rank learns the outcome; a failure on rank 0 raises the same
-   error everywhere.
+4. Rank 0 reads all parts, merges and validates them (:func:`merge_parts`), writes
+   ``steps/<step>.json`` (the checkpoint now exists) and deletes the parts.
+5. Barrier ``publish``: every rank learns the outcome. If the others gave up on rank 0 before it
+   arrived (timeout), rank 0 deletes the manifest it wrote, so no rank believes in a checkpoint
+   the others call failed.
+6. Rank 0 applies retention and garbage collection -- only now, so a failed save never deletes
+   an older checkpoint -- and barrier ``retain`` lets the others go on (gc never races their next
+   save's chunks).
 
-After a failure the parts are deleted and rank 0 collects the chunks nothing references while
-the others wait (barrier ``cleanup``), so a rank's next save never reuses a chunk being
-deleted. If a rank is missing (timeout) the cleanup is left to the next garbage collection.
+After a failure the parts are deleted from every tier and rank 0 collects the chunks nothing
+references while the others wait (barrier ``cleanup``). If a rank is missing (timeout) each rank
+deletes only its own part and the chunks are left to the next garbage collection.
 """
 
 from __future__ import annotations
@@ -24,16 +29,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from flashckpt.dist.context import DistContext
+from flashckpt.dist.attempt import SaveAttempt, describe
 from flashckpt.dist.merge import merge_parts
 from flashckpt.engine.save import SaveJob
 from flashckpt.errors import DistributedError, FlashCkptError
-from flashckpt.store.gc import collect_garbage
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore, part_name
 
 log = logging.getLogger(__name__)
-_HINT = "; nothing was published and older checkpoints are intact"
 
 
 class DistSaveJob(SaveJob):
@@ -42,18 +45,16 @@ class DistSaveJob(SaveJob):
     def __init__(
         self,
         *,
-        dist: DistContext,
+        attempt: SaveAttempt,
         per_rank: list[str],
         retain: Callable[[], None] | None,
         **kwargs: Any,
     ) -> None:
         super().__init__(committer=self._commit, **kwargs)
-        self.dist = dist
+        self.attempt = attempt
+        self.dist = attempt.dist
         self.per_rank = per_rank
         self.retain = retain
-        self.barrier = dist.barrier(f"save-{self.handle.step}")
-        self._posted = False  # this rank has posted its status to the "save" phase
-        self._missing = False  # a rank never arrived: leave cleanup to the next gc
 
     def build_manifest(self) -> Manifest:
         m = super().build_manifest()
@@ -61,60 +62,52 @@ class DistSaveJob(SaveJob):
         return m
 
     def _commit(self, manifest: Manifest, chunk_dirs: list[str]) -> None:
-        step, rank = manifest.step, self.dist.rank
+        step, rank, store = manifest.step, self.dist.rank, self.ctx.store
         error = None
         try:
-            self.ctx.store.commit(manifest, chunk_dirs=chunk_dirs, name=part_name(step, rank))
+            store.commit(manifest, chunk_dirs=chunk_dirs, name=part_name(step, rank))
         except Exception as exc:
-            error = _describe("writing its part", exc)
-        self._posted = True
-        self._phase("save", error)
+            error = describe("writing its part", exc)
+        self.attempt.agree("save", error)
+        published = False
         if rank == 0:
             try:
-                publish(self.ctx.store, step, self.dist.world_size, self.retain)
+                publish(store, step, self.dist.world_size)
+                published = True
             except Exception as exc:
-                error = _describe("publishing the manifest", exc)
-        self._phase("publish", error)
-
-    def _phase(self, phase: str, error: str | None) -> None:
+                error = describe("publishing the manifest", exc)
         try:
-            self.barrier.agree(phase, error, step=self.handle.step, hint=_HINT)
+            self.attempt.agree("publish", error)
         except DistributedError:
-            self._missing = self.barrier.timed_out
+            if published:  # the others gave up on rank 0: unpublish, as they all report
+                store.delete_step(step)
             raise
+        self._retain()
+
+    def _retain(self) -> None:
+        error = None
+        if self.dist.rank == 0 and self.retain is not None:
+            try:
+                self.retain()
+            except FlashCkptError as exc:
+                log.warning("retention after step %d failed: %s", self.handle.step, exc)
+            except Exception as exc:
+                error = describe("retention", exc)
+        try:
+            self.attempt.agree("retain", error)
+        except DistributedError as exc:  # the checkpoint exists; only the wait went wrong
+            log.warning("step %d is committed; after retention: %s", self.handle.step, exc)
+        self.dist.finished(self.attempt.barrier)
 
     def agree_failure(self, exc: BaseException) -> BaseException:
-        if self._posted:  # failed in or after the "save" phase: the ranks already agreed
-            return exc
-        self._posted = True  # failed before its part: tell the others, agree on one error
-        try:
-            self._phase("save", _describe("staging/persisting", exc))
-        except DistributedError as agreed:
-            agreed.__cause__ = exc
-            return agreed
-        return exc
+        return self.attempt.fail(exc, "staging/persisting")
 
     def cleanup_after_failure(self) -> None:
-        if self._missing:
-            return
-        store = self.ctx.store
-        if self.dist.rank == 0:
-            try:
-                for r in range(self.dist.world_size):
-                    store.backend.delete(part_name(self.handle.step, r))
-                collect_garbage(store)
-            except Exception as exc:
-                log.warning("cleanup after failed step %d: %s", self.handle.step, exc)
-        try:
-            self.barrier.agree("cleanup", None, step=self.handle.step)
-        except DistributedError as exc:
-            log.warning("cleanup barrier after failed step %d: %s", self.handle.step, exc)
+        self.attempt.cleanup()
 
 
-def publish(
-    store: CheckpointStore, step: int, world_size: int, retain: Callable[[], None] | None
-) -> None:
-    """Rank 0: merge the parts into ``steps/<step>.json``, drop the parts, apply retention."""
+def publish(store: CheckpointStore, step: int, world_size: int) -> None:
+    """Rank 0: merge the parts into ``steps/<step>.json``, then drop the parts."""
     parts = [store.load_manifest(step, name=part_name(step, r)) for r in range(world_size)]
     store.commit(merge_parts(parts, step=step), chunk_dirs=[])
     for r in range(world_size):
@@ -122,12 +115,3 @@ def publish(
             store.backend.delete(part_name(step, r))
         except OSError as exc:
             log.warning("could not delete part %s: %s", part_name(step, r), exc)
-    if retain is not None:
-        try:
-            retain()
-        except FlashCkptError as exc:
-            log.warning("retention after step %d failed: %s", step, exc)
-
-
-def _describe(doing: str, exc: BaseException) -> str:
-    return f"{doing}: {type(exc).__name__}: {exc}"

@@ -7,8 +7,8 @@
    saved on N ranks loads on M.
 3. Barrier ``load-<step>``: if every rank succeeded, done. If the failures are all damaged
    checkpoints and no step was requested, every rank moves on to the next older step together.
-   Otherwise a failing rank raises its own error and the others a ``DistributedError`` naming
-   the failing ranks.
+   Otherwise every rank raises the same ``DistributedError`` (phase ``restore``) naming the
+   failing ranks and their errors (a failing rank's own exception is its ``__cause__``).
 
 Per-rank state on a world-size change: rank ``r`` gets ``rank_trees[str(r)]`` when the saving job
 had that rank, else rank 0's per-rank state, with a warning (the RNG and data position of ranks
@@ -25,13 +25,9 @@ from typing import Any
 
 import torch
 
+from flashckpt.dist.barrier import StoreBarrier
 from flashckpt.dist.context import DistContext
-from flashckpt.errors import (
-    CorruptCheckpointError,
-    DistributedError,
-    FlashCkptError,
-    StorageError,
-)
+from flashckpt.errors import CorruptCheckpointError, DistributedError, FlashCkptError, StorageError
 from flashckpt.state.dtensor import is_dtensor
 from flashckpt.store.store import CheckpointStore
 
@@ -46,17 +42,43 @@ def restore_agreed(
     steps: list[int],
     load: Callable[[int], Any],
     on_corrupt: Callable[[int, str], None],
+    state: Mapping[str, Any] | None = None,
 ) -> int | None:
-    """Load the same step on every rank (see the module docstring); returns it, or None."""
-    barrier = dist.barrier("restore")
+    """Load the same step on every rank (see the module docstring); returns it, or None.
+
+    Optimizers in ``state`` are given their sharded state just before the first load, and put
+    back exactly as they were when nothing gets loaded (:class:`OptimizerInit`)."""
+    barrier = dist.barrier("restore", "any" if step is None else step)
+    init = OptimizerInit(state or {})
+    loaded = None
+    try:
+        loaded = _agree_and_load(barrier, dist, store, step, steps, load, on_corrupt, init)
+        return loaded
+    finally:
+        if loaded is None:
+            init.undo()
+        dist.finished(barrier)
+
+
+def _agree_and_load(
+    barrier: StoreBarrier,
+    dist: DistContext,
+    store: CheckpointStore,
+    step: int | None,
+    steps: list[int],
+    load: Callable[[int], Any],
+    on_corrupt: Callable[[int, str], None],
+    init: OptimizerInit,
+) -> int | None:
     mine = [step] if step is not None else sorted(steps, reverse=True)
-    candidates = barrier.exchange("candidates", {"steps": mine})[0]["steps"]
-    for cand in candidates:
-        local: FlashCkptError | None = None
+    values = barrier.exchange("candidates", {"ok": True, "steps": mine})
+    for cand in values[0]["steps"]:
+        local: BaseException | None = None
         try:
+            init.apply()
             _warn_world_size(dist, store, cand)
             load(cand)
-        except FlashCkptError as exc:
+        except Exception as exc:
             local = exc
         status = {
             "ok": local is None,
@@ -66,19 +88,18 @@ def restore_agreed(
         values = barrier.exchange(f"load-{cand}", status)
         failed = [r for r, v in enumerate(values) if not v.get("ok")]
         if not failed:
-            return cand
+            return int(cand)
         if step is None and all(values[r].get("corrupt") for r in failed):
             msg = "; ".join(f"rank {r}: {values[r].get('error')}" for r in failed)
             on_corrupt(cand, msg)
             continue
-        if local is not None:
-            raise local
         detail = "; ".join(f"rank {r}: {values[r].get('error')}" for r in failed)
-        raise DistributedError(
+        err = DistributedError(
             f"restore of step {cand} failed on rank(s) {failed}: {detail}",
             phase="restore",
             ranks=failed,
         )
+        raise err from local
     return None
 
 
@@ -106,28 +127,62 @@ def _warn_world_size(dist: DistContext, store: CheckpointStore, step: int) -> No
         )
 
 
-def init_sharded_optimizers(state: Mapping[str, Any]) -> None:
-    """Give empty optimizers over DTensor parameters their state (zeros), so a restore fills
-    sharded tensors in place instead of handing them full tensors (as DCP does).
+class OptimizerInit:
+    """Gives empty optimizers over DTensor parameters their state (zeros), so a restore fills
+    sharded tensors in place instead of handing them full tensors (as DCP does), and takes it
+    back when nothing is loaded.
 
-    Runs one ``step()`` with zero gradients and the learning rate set to 0, so parameters do
-    not change; the restored state then overwrites the optimizer state.
+    :meth:`apply` runs one ``step()`` with zero gradients and the learning rate set to 0, so
+    parameters do not change; the restored state then overwrites the optimizer state.
+    :meth:`undo` empties the state again (it was empty before) and restores what ``step()``
+    changed on the optimizer object, so a restore that loads nothing leaves every optimizer
+    exactly as it was (Adam's first real update then is the same as without the restore).
     """
-    for value in state.values():
-        if not isinstance(value, torch.optim.Optimizer) or value.state:
-            continue
-        params = [p for g in value.param_groups for p in g["params"]]
-        if not any(is_dtensor(p) for p in params) or any(p.grad is not None for p in params):
-            continue
-        for p in params:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        lrs = [g.get("lr") for g in value.param_groups]
-        for g in value.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        value.step()
-        for g, lr in zip(value.param_groups, lrs):
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.todo = [opt for opt in state.values() if _needs_state(opt)]
+        self.done: list[tuple[torch.optim.Optimizer, dict[str, Any], list[dict[str, Any]]]] = []
+
+    def apply(self) -> None:
+        for opt in self.todo:
+            self.done.append((opt, dict(opt.__dict__), [dict(g) for g in opt.param_groups]))
+            _zero_step(opt)
+        self.todo = []
+
+    def undo(self) -> None:
+        for opt, attrs, groups in self.done:
+            opt.state.clear()
+            for g, saved in zip(opt.param_groups, groups):
+                g.clear()
+                g.update(saved)
+            for k in [k for k in opt.__dict__ if k not in attrs]:
+                delattr(opt, k)
+            for k, v in attrs.items():
+                if k != "state":
+                    setattr(opt, k, v)
+        self.done = []
+
+
+def _needs_state(value: Any) -> bool:
+    if not isinstance(value, torch.optim.Optimizer) or value.state:
+        return False
+    params = [p for g in value.param_groups for p in g["params"]]
+    return any(is_dtensor(p) for p in params) and all(p.grad is None for p in params)
+
+
+def _zero_step(opt: torch.optim.Optimizer) -> None:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [g.get("lr") for g in opt.param_groups]
+    for g in opt.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
             if lr is not None:
                 g["lr"] = lr
-        value.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)

@@ -2,26 +2,31 @@
 
 ``Checkpointer`` holds a :class:`DistRuntime` (None outside torch.distributed) and calls:
 
-1. ``split(captured, state)`` in ``save()`` after capture: drop what other ranks write, rename
-   per-rank tensors (:mod:`flashckpt.dist.ownership`);
-2. ``job(...)`` instead of building a plain ``SaveJob``: the job commits with the distributed
+1. ``begin_save(step)`` first thing in ``save()``: the attempt of this save
+   (:mod:`flashckpt.dist.attempt`); any exception ``save()`` raises before its job exists goes
+   through ``failed(exc)``, which posts it so every rank raises the same error at once;
+2. ``split(captured, state)`` after capture: validate DTensor placements, drop what other ranks
+   write, rename per-rank tensors (:mod:`flashckpt.dist.ownership`);
+3. ``tier(tiers, nbytes)`` instead of ``TierSet.target``: rank 0 picks the tier for all ranks;
+4. ``job(...)`` instead of building a plain ``SaveJob``: the job commits with the distributed
    protocol (:mod:`flashckpt.dist.commit`);
-3. ``restore(...)`` from ``restore()``: all ranks agree on the step (:mod:`flashckpt.dist.restore`).
+5. ``restore(...)`` from ``restore()``: all ranks agree on the step (:mod:`flashckpt.dist.restore`).
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from flashckpt.dist.attempt import SaveAttempt
 from flashckpt.dist.commit import DistSaveJob
 from flashckpt.dist.context import DistContext
 from flashckpt.dist.ownership import split_for_rank
-from flashckpt.dist.restore import init_sharded_optimizers, restore_agreed
+from flashckpt.dist.restore import restore_agreed
+from flashckpt.dist.shared import check_shared
 from flashckpt.errors import ConfigError
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
@@ -33,12 +38,21 @@ class DistRuntime:
         self.ctx = ctx
         self._per_rank: list[str] = []
         self._decided: tuple[int, str] | None = None
+        self._attempt: SaveAttempt | None = None
 
     @classmethod
     def detect(
-        cls, *, process_group: Any = None, timeout_s: float = 300.0, on_busy: str = "wait"
+        cls,
+        *,
+        process_group: Any = None,
+        timeout_s: float = 300.0,
+        on_busy: str = "wait",
+        root: str | os.PathLike[str] = "",
+        name: str | None = None,
     ) -> DistRuntime | None:
-        ctx = DistContext.detect(process_group=process_group, timeout_s=timeout_s)
+        ctx = DistContext.detect(
+            process_group=process_group, timeout_s=timeout_s, root=str(root), name=name
+        )
         if ctx is None:
             return None
         if on_busy == "skip":
@@ -61,47 +75,9 @@ class DistRuntime:
         return f"rank-{self.ctx.rank}"
 
     def check_shared(self, dirs: Mapping[str, Path]) -> None:
-        """Every rank must see the same directory for each local tier (``{tier: dir}``): the
-        ranks commit one checkpoint together and rank 0 merges their parts. Rank 0 drops a
-        marker file in each; the others look for it. A directory that is node-local on a
-        multi-node run (a memory tier in /dev/shm, a root on a local disk) is a ConfigError
-        on every rank, here rather than at the first save."""
-        barrier = self.ctx.barrier("shared-dirs")
-        token, error = "", None
-        if self.rank == 0:
-            token = uuid.uuid4().hex
-            try:
-                for d in dirs.values():
-                    (d / f".flashckpt-shared-{token}").touch()
-            except OSError as exc:
-                error = f"rank 0 cannot write a marker in {exc.filename}: {exc.strerror}"
-        token = barrier.exchange("mark", {"token": token, "error": error})[0]["token"]
-        unseen = [
-            name
-            for name, d in dirs.items()
-            if self.rank != 0 and not (d / f".flashckpt-shared-{token}").exists()
-        ]
-        seen = barrier.exchange("look", {"unseen": unseen, "error": error})
-        if self.rank == 0:
-            for d in dirs.values():
-                try:
-                    os.unlink(d / f".flashckpt-shared-{token}")
-                except OSError:
-                    pass
-        if seen[0]["error"]:
-            raise ConfigError(seen[0]["error"])
-        bad = {r: v["unseen"] for r, v in enumerate(seen) if v["unseen"]}
-        if bad:
-            what = "; ".join(
-                f"rank {r} cannot see rank 0's {', '.join(f'{n} tier {dirs[n]}' for n in names)}"
-                for r, names in bad.items()
-            )
-            raise ConfigError(
-                f"checkpoint directories are not shared by all ranks ({what}). Under "
-                "torch.distributed the root must be on a filesystem every rank sees, and a "
-                "memory_tier (e.g. /dev/shm) works only when all ranks run on one node; "
-                "drop memory_tier= on multi-node runs"
-            )
+        """Every rank must see the same directory for each local tier (``{tier: dir}``);
+        see :func:`flashckpt.dist.shared.check_shared`."""
+        check_shared(self.ctx, dirs)
 
     def verdict(self, step: int, *, stop: bool, save: Callable[[], bool]) -> str:
         """What every rank does after ``step``: "preempt" when rank 0 was signalled (``stop``
@@ -129,13 +105,42 @@ class DistRuntime:
         self._decided = (step, verdict)
         return verdict
 
+    # -- saving -------------------------------------------------------------------------------
+    def begin_save(self, step: int) -> SaveAttempt:
+        """The attempt of ``save(step)`` on this rank; call before anything that may raise."""
+        self._attempt = SaveAttempt(self.ctx, step)
+        return self._attempt
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """What ``save()`` raises for ``exc`` raised before its job existed: the error every
+        rank agrees on (this rank's cause attached), after removing what was written."""
+        attempt = self._attempt
+        if attempt is None:
+            return exc
+        self._attempt = None
+        agreed = attempt.fail(exc, "preparing the save")
+        attempt.cleanup()
+        return agreed
+
     def split(self, captured: Captured, state: Mapping[str, Any]) -> None:
         self._per_rank = split_for_rank(
             captured, state, rank=self.ctx.rank, world_size=self.ctx.world_size
         )
 
+    def tier(self, tiers: Any, nbytes: int) -> Any:
+        """The tier of this save, chosen by rank 0 for every rank (phase ``plan``)."""
+        return self._require_attempt().plan(tiers, nbytes)
+
     def job(self, *, retain: Callable[[], None] | None, **kwargs: Any) -> DistSaveJob:
-        return DistSaveJob(dist=self.ctx, per_rank=self._per_rank, retain=retain, **kwargs)
+        attempt = self._require_attempt()
+        job = DistSaveJob(attempt=attempt, per_rank=self._per_rank, retain=retain, **kwargs)
+        self._attempt = None  # from here on the job posts its failures
+        return job
+
+    def _require_attempt(self) -> SaveAttempt:
+        if self._attempt is None:
+            raise RuntimeError("DistRuntime.begin_save() must come first")  # a flashckpt bug
+        return self._attempt
 
     def restore(
         self,
@@ -149,12 +154,11 @@ class DistRuntime:
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);
         ``load(step)`` loads one step into ``state`` on this rank."""
-        init_sharded_optimizers(state)
 
         def on_corrupt(cand: int, msg: str) -> None:
             warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
             journal.append("corrupt", step=cand, tier="local", error=msg)
 
         return restore_agreed(
-            self.ctx, store, step=step, steps=steps, load=load, on_corrupt=on_corrupt
+            self.ctx, store, step=step, steps=steps, load=load, on_corrupt=on_corrupt, state=state
         )

@@ -92,7 +92,7 @@ class Checkpointer:
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
-            process_group=process_group, timeout_s=dist_timeout_s, on_busy=on_busy
+            process_group=process_group, timeout_s=dist_timeout_s, on_busy=on_busy, root=self.root
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
@@ -246,6 +246,18 @@ class Checkpointer:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
         if self._preempt is not None:
             self._preempt.at_save(self, step, state)
+        if self._dist is None:
+            return self._save(step, state)
+        self._dist.begin_save(step)  # dist: a failure before the job exists reaches every rank
+        try:
+            return self._save(step, state)
+        except Exception as exc:
+            agreed = self._dist.failed(exc)
+            if agreed is exc:
+                raise
+            raise agreed from exc
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         t0 = time.perf_counter()
         self._raise_pending()
         if self._inflight.busy():
@@ -279,7 +291,10 @@ class Checkpointer:
         return handle
 
     def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
-        self._save_tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
+        if self._dist is not None:  # rank 0 picks the tier of every rank (dist/attempt.py)
+            self._save_tier = self._dist.tier(self._tiers, captured.nbytes)
+        else:
+            self._save_tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
         chunks, ctx = build_context(
             captured,
             self.options,

@@ -111,12 +111,16 @@ class SaveAttempt:
 
     def cleanup(self) -> None:
         """After a failure past ``plan``: parts of the step leave every tier, rank 0 collects
-        garbage while the others wait. Without a rank, each rank removes its own part only
-        (a late rank removes its own when it learns the outcome) and gc waits for later."""
+        garbage while the others wait. Without a rank (a timeout), the lowest rank still there
+        removes every part, each rank its own (a late rank removes its own when it learns the
+        outcome), and the chunks wait for a later gc."""
         if self.posted in (None, "plan"):  # nothing was written
             self.dist.finished(self.barrier)
             return
-        ranks = range(self.dist.world_size) if self.dist.rank == 0 else [self.dist.rank]
+        gone = set(self.barrier.missing) if self.missing else set()
+        sweeper = min((r for r in range(self.dist.world_size) if r not in gone), default=0)
+        every = self.dist.rank == sweeper
+        ranks = range(self.dist.world_size) if every else [self.dist.rank]
         for store in self.stores:
             for r in ranks:
                 _delete(store, part_name(self.step, r))

@@ -56,6 +56,7 @@ class StoreBarrier:
     timeout_s: float
     prefix: str
     timed_out: bool = False  # set when a rank never arrived or the store failed
+    missing: list[int] = field(default_factory=list)  # the ranks a timeout named
     cleanup: list[str] = field(default_factory=list)  # leader: keys of an earlier barrier
     _prev: str | None = None  # base of the previous phase (its control keys)
 
@@ -152,6 +153,7 @@ class StoreBarrier:
     def _timeout(self, phase: str, result: dict[str, Any]) -> DistributedError:
         self.timed_out = True
         missing = [int(r) for r in result.get("missing", [])]
+        self.missing = missing
         what = "never arrived (crashed, hung or far behind)"
         if result.get("leader") == "arrived but never decided":
             what = "arrived but never decided (hung)"
@@ -168,6 +170,7 @@ class StoreBarrier:
             return fn(*args)
         except Exception as exc:  # store gone: rank 0 (the store's host) probably died
             self.timed_out = True
+            self.missing = [0]
             raise DistributedError(
                 f"the torch.distributed store failed in phase {phase!r} ({exc}); rank 0, "
                 "which hosts it, may have died",

@@ -4,8 +4,9 @@ Tensors are united; a key saved by several ranks (shards of a DTensor) gets all 
 each tagged with its rank. Chunks are deduplicated by hash and extent indices remapped. The
 merged tree is rank 0's, ``rank_trees`` holds every rank's per-rank entries, ``world_size`` the
 number of parts. Before anything is published every tensor is checked to be covered exactly
-once (the shards' volumes add up to the global shape), so ranks that disagree about which
-tensors are replicated, or a missing shard, make the save fail instead of leaving a hole.
+once (every shard inside the bounds, no two overlapping, their volumes adding up to the global
+shape), so ranks that disagree about which tensors are replicated, a missing shard or an
+overlapping one make the save fail instead of publishing a hole or a wrong value.
 """
 
 from __future__ import annotations
@@ -79,16 +80,72 @@ def _add(
 
 
 def _check_coverage(entry: TensorEntry) -> None:
-    covered = sum(s.numel for s in entry.shards)
-    total = math.prod(entry.global_shape)
-    if covered != total:
-        raise DistributedError(
-            f"tensor {entry.key!r} has {covered} of {total} elements saved across ranks "
-            f"{sorted({s.rank for s in entry.shards})}: ranks disagree on the state (different "
-            "models or optimizer states per rank?); nothing was published",
-            phase="publish",
-            ranks=[0],
+    """Every element of the global tensor in exactly one saved box: each box inside the bounds,
+    no two boxes overlapping, and their volumes adding up to the whole."""
+    gshape = entry.global_shape
+    boxes = [s for s in entry.shards if s.numel > 0]
+    for s in boxes:
+        if len(s.offset) != len(gshape) or any(
+            o < 0 or o + n > g for o, n, g in zip(s.offset, s.shape, gshape)
+        ):
+            _refuse(
+                entry,
+                f"rank {s.rank}'s shard at {list(s.offset)} of shape "
+                f"{list(s.shape)} lies outside {list(gshape)}",
+                [s.rank],
+            )
+    clash = _overlap(boxes)
+    if clash is not None:
+        a, b = clash
+        _refuse(
+            entry,
+            f"the shards of ranks {a.rank} and {b.rank} overlap ({list(a.offset)}+"
+            f"{list(a.shape)} and {list(b.offset)}+{list(b.shape)})",
+            sorted({a.rank, b.rank}),
         )
+    covered = sum(s.numel for s in boxes)
+    total = math.prod(gshape)
+    if covered != total:
+        _refuse(
+            entry,
+            f"{covered} of {total} elements are saved across ranks "
+            f"{sorted({s.rank for s in entry.shards})}",
+            [0],
+        )
+
+
+def _overlap(boxes: Sequence[Shard]) -> tuple[Shard, Shard] | None:
+    """Two overlapping boxes, if any: a sweep along the dimension with the most distinct
+    starts, comparing a box only with the boxes still open at its start (O(n log n) for row,
+    column and grid layouts)."""
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0].offset)
+    if ndim == 0:
+        return boxes[0], boxes[1]  # two scalars
+    d = max(range(ndim), key=lambda i: len({b.offset[i] for b in boxes}))
+    active: list[Shard] = []
+    for box in sorted(boxes, key=lambda b: b.offset[d]):
+        start = box.offset[d]
+        active = [a for a in active if a.offset[d] + a.shape[d] > start]
+        for a in active:
+            if all(
+                max(o1, o2) < min(o1 + n1, o2 + n2)
+                for o1, n1, o2, n2 in zip(a.offset, a.shape, box.offset, box.shape)
+            ):
+                return a, box
+        active.append(box)
+    return None
+
+
+def _refuse(entry: TensorEntry, what: str, ranks: list[int]) -> None:
+    raise DistributedError(
+        f"tensor {entry.key!r}: {what}. The ranks disagree on the state (different models or "
+        "optimizer states per rank, or placements that do not tile the tensor); nothing was "
+        "published",
+        phase="publish",
+        ranks=ranks,
+    )
 
 
 def _sum_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ import pytest
 from torch import nn
 from torch.distributed import HashStore
 
-from flashckpt.dist.barrier import StoreBarrier
+from flashckpt.dist.barrier import StoreBarrier, raise_failed
+from flashckpt.dist.context import store_name
 from flashckpt.dist.merge import merge_parts
 from flashckpt.dist.ownership import assign_owners, rename_refs, split_for_rank
 from flashckpt.errors import DistributedError
@@ -97,7 +98,7 @@ def _run_ranks(world: int, fn: Any) -> list[Any]:
         except DistributedError as exc:
             out[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,3 +158,118 @@ def test_value_exchange_returns_rank_order() -> None:
     store = HashStore()
     out = _run_ranks(3, lambda r: _barrier(store, r, 3).exchange("x", {"r": r * 10}))
     assert out == [[{"r": 0}, {"r": 10}, {"r": 20}]] * 3
+
+
+def test_merge_refuses_overlapping_shards() -> None:
+    """Rows 0-1 and 1-3 of a 4-row tensor: the volumes add up (2 + 2 = 4), the tensor is not
+    covered (row 3 missing, row 1 twice). Only the sum was compared before."""
+    with pytest.raises(DistributedError, match="overlap") as info:
+        merge_parts([_part(0, (0, 2), "a"), _part(1, (1, 3), "b")], step=5)
+    assert info.value.phase == "publish" and info.value.ranks == [0, 1]
+
+
+def test_merge_refuses_a_shard_outside_the_tensor() -> None:
+    with pytest.raises(DistributedError, match="outside"):
+        merge_parts([_part(0, (0, 2), "a"), _part(1, (3, 5), "b")], step=5)
+
+
+class CountingStore:
+    """A Store proxy counting the requests each thread (rank) makes."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            who = threading.current_thread().name
+            with self.lock:
+                self.counts[who] = self.counts.get(who, 0) + 1
+            return fn(*args)
+
+        return call
+
+
+def test_barrier_requests_per_rank_do_not_grow_with_the_world() -> None:
+    """Every waiting rank polled every missing rank before (O(world^2) per phase)."""
+    per_rank = {}
+    for world in (4, 32):
+        store = CountingStore(HashStore())
+        barriers = [_barrier(store, r, world) for r in range(world)]
+
+        def fn(rank: int, barriers: list[StoreBarrier] = barriers) -> None:
+            time.sleep(0.01 * (rank % 4))  # arrivals spread out: waiters would poll
+            barriers[rank].agree("one", None)
+
+        assert _run_ranks(world, fn) == [None] * world
+        followers = [n for who, n in store.counts.items() if who != "rank-0"]
+        per_rank[world] = max(followers)
+        assert store.counts["rank-0"] <= world + 12, store.counts["rank-0"]  # deletes included
+    assert per_rank[32] == per_rank[4] <= 6, per_rank
+
+
+def test_barrier_late_rank_raises_the_decided_timeout() -> None:
+    store = HashStore()
+    started = time.monotonic()
+
+    def fn(rank: int) -> None:
+        if rank == 2:
+            time.sleep(1.2)  # arrives after the others gave up: it must not proceed alone
+        _barrier(store, rank, 3, timeout_s=0.5).agree("save", None)
+
+    out = _run_ranks(3, fn)
+    assert all(isinstance(e, DistributedError) for e in out), out
+    assert len({str(e) for e in out}) == 1 and out[0].ranks == [2]
+    assert time.monotonic() - started < 10
+
+
+def test_barrier_leader_missing_is_named_by_every_rank() -> None:
+    store = HashStore()
+
+    def fn(rank: int) -> None:
+        if rank == 0:
+            return  # the leader never arrives
+        _barrier(store, rank, 3, timeout_s=0.3).agree("save", None)
+
+    out = _run_ranks(3, fn)
+    assert out[0] is None
+    assert isinstance(out[1], DistributedError) and str(out[1]) == str(out[2])
+    assert out[1].ranks == [0] and "never arrived" in str(out[1])
+
+
+def test_barrier_decision_is_the_leaders_on_every_rank() -> None:
+    store = HashStore()
+
+    def fn(rank: int) -> Any:
+        b = _barrier(store, rank, 3)
+        return b.decide("plan", {"n": rank}, lambda vals: sum(v["n"] for v in vals) * 10)[1]
+
+    assert _run_ranks(3, fn) == [30, 30, 30]
+
+
+def test_barrier_failing_decision_fails_the_phase_everywhere() -> None:
+    store = HashStore()
+
+    def boom(values: list[dict[str, Any]]) -> Any:
+        raise OSError("no space to decide")
+
+    def fn(rank: int) -> None:
+        b = _barrier(store, rank, 2)
+        values, _ = b.decide("plan", {"ok": True}, boom)
+        raise_failed(values, phase="plan", step=3)
+
+    out = _run_ranks(2, fn)
+    assert all(isinstance(e, DistributedError) for e in out)
+    assert (
+        out[0].ranks == [0] and "no space to decide" in str(out[0]) and str(out[0]) == str(out[1])
+    )
+
+
+def test_store_names_come_from_the_root() -> None:
+    a, b = store_name("world", "/x/a"), store_name("world", "/x/b")
+    assert a != b and a == store_name("world", "/x/a")
+    assert store_name("world", "/x/a", "run1") == store_name("world", "/x/b", "run1")
+    assert store_name("g1", "/x/a") != a

@@ -121,3 +121,28 @@ def test_restore_that_loads_nothing_leaves_the_optimizer_alone(ranks: Any, tmp_p
     for r in results:
         assert r["steps"] == ({1.0}, {1.0}), r["steps"]
         assert r["same"]
+
+
+def keys_job(rank: int, world: int, root: str) -> list[int]:
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    counts = []
+    with Checkpointer(root, fsync=False, dist_timeout_s=10, keep=2) as ck:
+        for step in range(1, 16):
+            ck.save(step, {"model": model})
+            ck.restore({"model": model})
+            if step in (5, 15):
+                dist.barrier()
+                counts.append(int(store.num_keys()))
+                dist.barrier()
+    return counts
+
+
+def test_store_keys_do_not_pile_up(ranks: Any, tmp_path: Path) -> None:
+    """Each phase's keys are deleted once every rank moved on: ten more saves and restores
+    leave no more keys behind than five."""
+    for counts in ranks.ok(ranks(keys_job, 2, tmp_path, str(tmp_path / "ckpt"))):
+        assert counts[1] <= counts[0], counts

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class DistContext:
     group: str = "world"
     root: str = ""
     _leftover: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # save thread vs training
     _attempts: dict[tuple[str, int | str], int] = field(default_factory=dict)
 
     @classmethod
@@ -128,10 +130,12 @@ class DistContext:
             prefix=prefix,
         )
         if self.rank == 0:  # the keys of the barrier before: gone once this one's phase is full
-            barrier.cleanup, self._leftover = self._leftover, []
+            with self._lock:
+                barrier.cleanup, self._leftover = self._leftover, []
         return barrier
 
     def finished(self, barrier: StoreBarrier) -> None:
         """Leader: hand the last keys of ``barrier`` to the next barrier to delete."""
         if self.rank == 0:
-            self._leftover.extend(barrier.leftover_keys() + barrier.cleanup)
+            with self._lock:
+                self._leftover.extend(barrier.leftover_keys() + barrier.cleanup)

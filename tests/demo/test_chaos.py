@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flashckpt.cli.chaos import table
-from flashckpt.demo.chaos import failure_times, run_chaos
+from flashckpt.demo.chaos import METHODS, failure_times, run_chaos
 from flashckpt.demo.chaos_stats import analyze, split_runs, surviving
 from flashckpt.errors import ConfigError
 
@@ -76,7 +76,7 @@ def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
     one-minute smoke version of `flashckpt chaos`); every method resumes after each kill and
     makes progress that survives."""
     res = run_chaos(
-        out=tmp_path, minutes=0.4, mtbf_s=10.0, methods=["flashckpt", "torch_save", "dcp_async_save"],
+        out=tmp_path, minutes=0.4, mtbf_s=10.0, methods=list(METHODS),
         model={"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}, threads=1,
         kills=[10.0, 17.0], say=lambda _msg: None,
     )  # fmt: skip

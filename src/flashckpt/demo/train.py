@@ -30,7 +30,9 @@ def _distributed() -> tuple[int, int]:
         return 0, 1
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    from flashckpt.dist import init_process_group  # survives torchrun --max-restarts
+
+    init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
 
 

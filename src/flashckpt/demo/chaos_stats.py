@@ -1,0 +1,172 @@
+"""Goodput of one chaos-benchmark method, from its training log and the kill times (pure).
+
+The log is the JSON lines of :mod:`flashckpt.demo.chaos_train`: each process appends a
+``start`` record (restored step, process-start / import / restore times) then one ``step``
+record per step (compute and blocking seconds). Processes follow each other in the log.
+
+- **Useful work**: a step counts once, in the process whose work survived — process ``k``'s
+  steps up to the step process ``k+1`` restored from (later ones were lost and redone). Useful
+  time = surviving steps × the median compute seconds of a step, so waits inside a step (an
+  optimizer hook waiting for staging) are not counted as useful.
+- **Goodput** = useful time / wall time of the run.
+- **Restart** (per kill): kill → first completed step of the next process, split into process
+  (kill → spawn), imports (interpreter start and imports), build (model and optimizer), restore
+  (opening the checkpointer and loading), and the first step.
+- **Daly's model** at the measured save cost ``C`` (blocking per save plus the extra seconds of
+  the step after it), restart ``R``, failure rate (wall / failures) and mean seconds of work
+  between saves ``τ``: ``1 − expected_waste_fraction(τ, C, M, R)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flashckpt.policy.interval import expected_waste_fraction
+
+
+@dataclass(kw_only=True)
+class Run:
+    start: Mapping[str, Any]
+    steps: list[Mapping[str, Any]] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class MethodResult:
+    goodput: float
+    model_goodput: float | None
+    wall_s: float
+    useful_s: float
+    failures: int
+    steps_done: int
+    steps_lost: int
+    saves: int
+    save_blocking_s: float
+    save_cost_s: float
+    interval_s: float | None
+    restore_s: list[float]
+    restart_s: list[float]
+    restart_parts_s: dict[str, float]
+    cold_start_s: float | None
+    restart_ratio: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_runs(records: Sequence[Mapping[str, Any]]) -> list[Run]:
+    runs: list[Run] = []
+    for rec in records:
+        if rec.get("event") == "start":
+            runs.append(Run(start=rec))
+        elif rec.get("event") == "step" and runs:
+            runs[-1].steps.append(rec)
+    return runs
+
+
+def surviving(runs: Sequence[Run]) -> list[Mapping[str, Any]]:
+    """The step records whose work the final model contains, in order."""
+    out: list[Mapping[str, Any]] = []
+    for k, run in enumerate(runs):
+        limit = runs[k + 1].start["step"] if k + 1 < len(runs) else None
+        out.extend(r for r in run.steps if limit is None or r["step"] <= limit)
+    return out
+
+
+def _restarts(
+    runs: Sequence[Run], kills: Sequence[float], t_spawn0: float
+) -> tuple[list[float], dict[str, list[float]], float | None]:
+    """Restart seconds per kill that was followed by a resumed step; the parts; cold start."""
+    parts: dict[str, list[float]] = {
+        "process": [],
+        "imports": [],
+        "build": [],
+        "restore": [],
+        "first_step": [],
+    }
+    restart: list[float] = []
+    cold = None
+    if runs and runs[0].steps:
+        cold = runs[0].steps[0]["t"] - t_spawn0
+    for run in runs[1:]:
+        s = run.start
+        before = [k for k in kills if k <= s["t_proc"]]
+        if not before or not run.steps:
+            continue
+        kill = before[-1]
+        restart.append(run.steps[0]["t"] - kill)
+        parts["process"].append(s["t_proc"] - kill)
+        parts["imports"].append(s["t_imported"] - s["t_proc"])
+        parts["build"].append(s["t_restore"] - s["t_imported"])
+        parts["restore"].append(s["t_restored"] - s["t_restore"])
+        parts["first_step"].append(run.steps[0]["t"] - s["t_restored"])
+    return restart, parts, cold
+
+
+def analyze(
+    records: Sequence[Mapping[str, Any]], *, kills: Sequence[float], t0: float, t_end: float
+) -> MethodResult:
+    """``kills``: wall-clock times (``time.time()``) of the SIGKILLs inside ``[t0, t_end]``;
+    ``t0``: when the first process was started; ``t_end``: when the run was stopped."""
+    runs = split_runs(records)
+    kept = surviving(runs)
+    every = [r for run in runs for r in run.steps]
+    step_s = statistics.median(r["compute_s"] for r in every) if every else 0.0
+    wall = t_end - t0
+    useful = len(kept) * step_s
+    saves = [r for r in every if r.get("blocked_s", 0) > 0]
+    blocking = sum(r["blocked_s"] for r in saves)
+    extra = _after_save_extra(runs, step_s)
+    cost = (blocking + extra) / len(saves) if saves else 0.0
+    restart, parts, cold = _restarts(runs, kills, t0)
+    saved_steps = sorted({r["step"] for r in saves})
+    interval = _interval_s(saved_steps, step_s)
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    return MethodResult(
+        goodput=useful / wall if wall > 0 else 0.0,
+        model_goodput=_daly(interval, cost, wall, len(kills), mean(restart)),
+        wall_s=wall,
+        useful_s=useful,
+        failures=len(kills),
+        steps_done=len(every),
+        steps_lost=len(every) - len(kept),
+        saves=len(saves),
+        save_blocking_s=blocking,
+        save_cost_s=cost,
+        interval_s=interval,
+        restore_s=[r.start["t_restored"] - r.start["t_restore"] for r in runs],
+        restart_s=restart,
+        restart_parts_s={k: mean(v) for k, v in parts.items()},
+        cold_start_s=cold,
+        restart_ratio=(mean(restart) / cold) if restart and cold else None,
+    )
+
+
+def _after_save_extra(runs: Sequence[Run], step_s: float) -> float:
+    """Seconds the step right after each save took beyond a median step (staging waits)."""
+    extra = 0.0
+    for run in runs:
+        for prev, cur in itertools.pairwise(run.steps):
+            if prev.get("blocked_s", 0) > 0:
+                extra += max(0.0, cur["compute_s"] - step_s)
+    return extra
+
+
+def _interval_s(saved_steps: Sequence[int], step_s: float) -> float | None:
+    """Mean seconds of work between saves (from the steps saved, in step units)."""
+    gaps = [b - a for a, b in itertools.pairwise(saved_steps) if b > a]
+    return statistics.fmean(gaps) * step_s if gaps and step_s > 0 else None
+
+
+def _daly(
+    interval: float | None, cost: float, wall: float, failures: int, restart: float
+) -> float | None:
+    if interval is None or interval <= 0 or failures == 0:
+        return None
+    waste = expected_waste_fraction(
+        interval, cost_s=cost, mtbf_s=wall / failures, restart_s=restart
+    )
+    return 1.0 - waste

@@ -1,0 +1,212 @@
+"""One training process of the chaos benchmark: ``python -m flashckpt.demo.chaos_train CFG.json``.
+
+Trains the demo GPT and checkpoints it with one method — ``flashckpt`` (memory tier + disk,
+async, the ``Auto`` interval), ``torch_save`` (``torch.save`` + fsync + rename) or
+``dcp_async_save`` (``torch.distributed.checkpoint.async_save``) — resuming from that method's
+newest complete checkpoint. The peers save at the Young/Daly interval of their own measured
+cost: the same :class:`~flashckpt.policy.Auto` policy, fed their blocking time and step time.
+
+It appends one JSON line per event to ``CFG["log"]`` (``start`` with the process start, import,
+restore and first-step times; then one ``step`` line per step with its compute and blocking
+seconds), which :mod:`flashckpt.demo.chaos_stats` turns into goodput. ``t_proc`` is when the
+driver spawned the process (``FLASHCKPT_CHAOS_SPAWN_T``): restart time includes the interpreter
+start and the imports. The chaos driver kills it
+with SIGKILL at random instants; nothing here knows when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import flashckpt
+from flashckpt.demo.model import GPT, GPTConfig
+from flashckpt.policy import Auto, KeepLast
+from flashckpt.policy.save import RunStats
+
+T_IMPORTED = time.time()  # ``python -m`` imported torch and flashckpt before this line ran
+VOCAB = 96
+
+
+def spawn_time() -> float:
+    """When the chaos driver started this process (it passes the time in the environment)."""
+    try:
+        return float(os.environ["FLASHCKPT_CHAOS_SPAWN_T"])
+    except (KeyError, ValueError):
+        return T_IMPORTED
+
+
+class _Peer:
+    """``torch_save`` / ``dcp_async_save``: files ``<root>/<step>`` plus a ``<step>.done``
+    marker written only once the checkpoint is durable; restore takes the newest marked one."""
+
+    def __init__(self, method: str, root: Path, state: dict[str, Any], mtbf_s: float) -> None:
+        self.method, self.root, self.state = method, root, state
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.policy = Auto(mtbf_s=mtbf_s)
+        self.costs: list[float] = []
+        self.persist: list[float] = []
+        self.last: tuple[int, float] | None = None
+        self._pending: tuple[int, Any, float] | None = None
+
+    def _sd(self) -> dict[str, Any]:
+        return {
+            "model": self.state["model"].state_dict(),
+            "optim": self.state["optim"].state_dict(),
+        }
+
+    def restore(self) -> int:
+        done = sorted(int(p.stem) for p in self.root.glob("*.done"))
+        if not done:
+            return 0
+        step = done[-1]
+        if self.method == "torch_save":
+            sd = torch.load(self.root / f"{step}.pt", weights_only=True)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            sd = self._sd()
+            dcp.load(sd, checkpoint_id=str(self.root / str(step)), no_dist=True)
+        self.state["model"].load_state_dict(sd["model"])
+        self.state["optim"].load_state_dict(sd["optim"])
+        self.last = (step, time.time())
+        return step
+
+    def should_save(self, step: int, step_time_s: float | None) -> bool:
+        self._poll()
+        mean = lambda xs: sum(xs[-20:]) / len(xs[-20:]) if xs else None  # noqa: E731
+        stats = RunStats(
+            step=step,
+            now_s=time.time(),
+            last_save_step=self.last[0] if self.last else None,
+            last_save_s=self.last[1] if self.last else None,
+            step_time_s=step_time_s,
+            save_cost_s=mean(self.costs),
+            persist_s=mean(self.persist),
+        )
+        return bool(self.policy.should_save(stats)) or self.last is None
+
+    def save(self, step: int) -> float:
+        t0 = time.perf_counter()
+        if self.method == "torch_save":
+            tmp = self.root / f"{step}.pt.tmp"
+            with open(tmp, "wb") as f:
+                torch.save(self._sd(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.root / f"{step}.pt")
+            self._mark(step)
+            self.persist.append(time.perf_counter() - t0)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            if self._pending is not None:
+                self._pending[1].result()
+                self._poll()
+            writer = dcp.FileSystemWriter(str(self.root / str(step)), sync_files=True)
+            fut = dcp.async_save(self._sd(), storage_writer=writer, no_dist=True)
+            self._pending = (step, fut, t0)
+        cost = time.perf_counter() - t0
+        self.costs.append(cost)
+        self.last = (step, time.time())
+        return cost
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[1].done():
+            step, fut, t0 = self._pending
+            fut.result()
+            self._mark(step)
+            self.persist.append(time.perf_counter() - t0)
+            self._pending = None
+
+    def _mark(self, step: int) -> None:
+        (self.root / f"{step}.done").write_text("")
+        for old in sorted(int(p.stem) for p in self.root.glob("*.done"))[:-2]:
+            (self.root / f"{old}.done").unlink()  # keep the last two; their data stays on disk
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[1].result()
+            self._poll()
+
+
+def build(cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(cfg["seed"])
+    model = GPT(GPTConfig(vocab_size=VOCAB, dropout=0.0, **cfg["model"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return {"model": model, "optim": opt}
+
+
+def batch(cfg: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + step)
+    seq = torch.randint(0, VOCAB, (cfg["batch_size"], cfg["model"]["block_size"] + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train_step(cfg: dict[str, Any], state: dict[str, Any], step: int) -> float:
+    x, y = batch(cfg, step)
+    _, loss = state["model"](x, y)
+    state["optim"].zero_grad(set_to_none=True)
+    loss.backward()
+    state["optim"].step()
+    return float(loss.item())
+
+
+def main(cfg_path: str) -> int:
+    cfg = json.loads(Path(cfg_path).read_text())
+    torch.set_num_threads(cfg["threads"])
+    state = build(cfg)
+    method, mtbf_s = cfg["method"], float(cfg["mtbf_s"])
+    t_restore = time.time()
+    ckpt: flashckpt.Checkpointer | None = None
+    peer: _Peer | None = None
+    if method == "flashckpt":
+        ckpt = flashckpt.Checkpointer(
+            cfg["root"],
+            memory_tier=cfg["memory"],
+            async_save=True,
+            save_policy=Auto(mtbf_s=mtbf_s),
+            keep=KeepLast(2),
+            keep_memory=KeepLast(2),
+        )
+        start = ckpt.restore(state) or 0
+    else:
+        peer = _Peer(method, Path(cfg["root"]), state, mtbf_s)
+        start = peer.restore()
+    log = open(cfg["log"], "a")  # noqa: SIM115 - the whole run
+    start_rec = {"event": "start", "pid": os.getpid(), "step": start, "t_proc": spawn_time()}
+    start_rec.update(t_imported=T_IMPORTED, t_restore=t_restore, t_restored=time.time())
+    log.write("\n" + json.dumps(start_rec) + "\n")  # "\n" ends a line a killed process cut
+    log.flush()
+    step_time: float | None = None
+    for step in range(start + 1, cfg["steps"] + 1):
+        t0 = time.perf_counter()
+        train_step(cfg, state, step)
+        compute = time.perf_counter() - t0
+        step_time = compute if step_time is None else 0.9 * step_time + 0.1 * compute
+        blocked = 0.0
+        if ckpt is not None and ckpt.should_save(step):
+            blocked = ckpt.save(step, state).blocking_s
+        elif peer is not None and peer.should_save(step, step_time):
+            blocked = peer.save(step)
+        rec = {"event": "step", "step": step, "t": time.time(), "compute_s": compute}
+        rec["blocked_s"] = blocked
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+    if ckpt is not None:
+        ckpt.close()
+    if peer is not None:
+        peer.close()
+    log.write(json.dumps({"event": "done", "t": time.time()}) + "\n")
+    log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,92 @@
+"""The chaos benchmark: goodput accounting on synthetic logs, and one real run with SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashckpt.cli.chaos import table
+from flashckpt.demo.chaos import METHODS, failure_times, run_chaos
+from flashckpt.demo.chaos_stats import analyze, split_runs, surviving
+from flashckpt.errors import ConfigError
+
+
+def _start(step: int, t: float) -> dict:
+    return {"event": "start", "step": step, "t_proc": t, "t_imported": t + 1.0,
+            "t_restore": t + 1.5, "t_restored": t + 2.0}  # fmt: skip
+
+
+def _steps(first: int, last: int, t: float, *, saves: tuple[int, ...] = ()) -> list[dict]:
+    return [
+        {"event": "step", "step": s, "t": t + (s - first + 1) * 1.0, "compute_s": 1.0,
+         "blocked_s": 0.5 if s in saves else 0.0}
+        for s in range(first, last + 1)
+    ]  # fmt: skip
+
+
+def _log() -> list[dict]:
+    """Run 1: steps 1-10 (saves at 4 and 8), killed at t=12; run 2 restores 8: steps 9 and 10
+    of run 1 were lost; it does steps 9-15 until stopped at t=25."""
+    return [
+        _start(0, 0.0), *_steps(1, 10, 0.0, saves=(4, 8)),
+        {"event": "st"},  # a line cut by the kill decodes to nothing useful: ignored
+        _start(8, 12.0), *_steps(9, 15, 14.0, saves=(12,)),
+    ]  # fmt: skip
+
+
+def test_surviving_steps_drop_the_work_a_kill_lost() -> None:
+    kept = surviving(split_runs(_log()))
+    assert [r["step"] for r in kept] == [*range(1, 9), *range(9, 16)]
+
+
+def test_goodput_lost_steps_and_restart_breakdown() -> None:
+    res = analyze(_log(), kills=[12.0], t0=0.0, t_end=25.0)
+    assert res.steps_done == 17 and res.steps_lost == 2
+    assert res.useful_s == pytest.approx(15.0)  # 15 surviving steps of 1 s (median)
+    assert res.goodput == pytest.approx(15.0 / 25.0)
+    assert res.saves == 3 and res.save_blocking_s == pytest.approx(1.5)
+    assert res.restart_s == [pytest.approx(15.0 - 12.0)]  # kill -> first resumed step at t=15
+    assert res.restart_parts_s["imports"] == pytest.approx(1.0)
+    assert res.restart_parts_s["restore"] == pytest.approx(0.5)
+    assert res.restart_parts_s["first_step"] == pytest.approx(1.0)
+    assert res.cold_start_s == pytest.approx(1.0)  # first step at t=1 after spawn at t=0
+    assert res.interval_s == pytest.approx(4.0)  # saves at steps 4, 8, 12
+    assert res.model_goodput is not None and 0.0 < res.model_goodput < 1.0
+    assert "| 60.0% |" in table({"methods": {"x": res.as_dict()}})
+
+
+def test_failure_times_are_seeded_and_exponential() -> None:
+    a = failure_times(seed=3, mtbf_s=10.0, duration_s=10_000.0)
+    assert a == failure_times(seed=3, mtbf_s=10.0, duration_s=10_000.0)
+    assert a != failure_times(seed=4, mtbf_s=10.0, duration_s=10_000.0)
+    gaps = [b - x for x, b in zip([0.0, *a], a)]
+    assert 8.0 < sum(gaps) / len(gaps) < 12.0 and all(0 < t < 10_000 for t in a)
+
+
+def test_unknown_method_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown chaos method"):
+        run_chaos(out=tmp_path, minutes=1, mtbf_s=10, methods=["pickle"])
+
+
+@pytest.mark.timeout(600)
+def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
+    """Real trainers, real SIGKILL at the same instants for each method (24 s each, the
+    one-minute smoke version of `flashckpt chaos`); every method resumes after each kill and
+    makes progress that survives."""
+    res = run_chaos(
+        out=tmp_path, minutes=0.4, mtbf_s=10.0, methods=list(METHODS),
+        model={"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}, threads=1,
+        kills=[10.0, 17.0], say=lambda _msg: None,
+    )  # fmt: skip
+    assert res["failure_times_s"] == [25.0, 40.0]
+    assert (
+        json.loads((tmp_path / "chaos.json").read_text())["methods"].keys() == res["methods"].keys()
+    )
+    for name, r in res["methods"].items():
+        assert r["failures"] == 2, name
+        assert r["saves"] > 0 and r["steps_done"] > 0, (name, r)
+        assert 0.0 < r["goodput"] < 1.0, (name, r)
+        assert r["restart_s"] and all(s > 0 for s in r["restart_s"]), (name, r)
+    assert Path(res["methods"]["flashckpt"]["report"]).is_file()

@@ -65,6 +65,7 @@ class DistSaveJob(SaveJob):
         error = None
         try:
             self.ctx.store.commit(manifest, chunk_dirs=chunk_dirs, name=part_name(step, rank))
+            self.release_pins()  # the part names our chunks: rank 0 may now collect garbage
         except Exception as exc:
             error = _describe("writing its part", exc)
         self._posted = True
@@ -95,6 +96,7 @@ class DistSaveJob(SaveJob):
         return exc
 
     def cleanup_after_failure(self) -> None:
+        self.release_pins(failed=True)
         if self._missing:
             return
         store = self.ctx.store

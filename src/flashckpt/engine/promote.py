@@ -12,9 +12,10 @@ collected then.
 
 The queue is bounded (``Promotion.max_queued`` tasks waiting, plus the one being copied), so a
 slow disk or remote can never make the memory tier hold more than its retention plus those
-steps. When it is full, ``on_full="skip"`` (default) drops the oldest waiting step (journaled
-as ``promote_skipped``, naming the newer step that replaced it; the step stays in the faster
-tier until its retention drops it) and ``on_full="wait"`` makes the next save wait for room.
+steps. When it is full, ``on_full="wait"`` (default) makes the next save wait for room (every
+step is promoted; training slows to the slower tier's pace), and ``on_full="skip"`` drops the
+oldest waiting step instead (journaled as ``promote_skipped``, naming the newer step that
+replaced it; the skipped step stays in the faster tier until its retention drops it).
 
 Failures never reach training: they are logged, journaled as ``promote_failed`` and retried
 with exponential backoff; after ``Promotion.retries`` attempts the tier is skipped for that step
@@ -53,7 +54,7 @@ class Promotion:
     queued promotions (None: until they finish or give up); what is left is journaled as
     ``promote_abandoned`` and stays in the faster tier. ``max_queued``: steps waiting for
     promotion (besides the one being copied); ``on_full``: ``"skip"`` drops the oldest waiting
-    step when a newer one arrives, ``"wait"`` makes the newer one wait for room.
+    step when a newer one arrives, ``"wait"`` (default) makes the newer one wait for room.
     ``stop_timeout_s``: how long ``close()`` waits for the copy in progress to stop.
     """
 
@@ -63,7 +64,7 @@ class Promotion:
     max_backoff_s: float = 60.0
     close_timeout_s: float | None = None
     max_queued: int = 2
-    on_full: str = "skip"
+    on_full: str = "wait"
     stop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:

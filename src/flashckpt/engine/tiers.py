@@ -263,6 +263,8 @@ class TierSet:
         """A promotion is done (or dropped): its source chunks are no longer pinned, so what
         the source tier's retention already dropped is collected now."""
         task.pin.release()
+        if not task.src.store.liveness.has_garbage():
+            return
         try:
             with self._gc_lock:
                 res = collect_garbage(task.src.store, pinned=self._extra_pins())
@@ -276,6 +278,8 @@ class TierSet:
         pinned or referenced chunk; gc is skipped, and says so, while another process writes)."""
         with self._gc_lock:
             deleted = apply_retention(tier.store, tier.keep)
+            if not tier.store.liveness.has_garbage():
+                return
             res = collect_garbage(tier.store, pinned=self._extra_pins())
         self._journal_gc(tier, deleted, res)
 

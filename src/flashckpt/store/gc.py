@@ -77,7 +77,7 @@ def collect_garbage(
             return _skipped(store, "a save or promotion of another process is writing it")
         try:
             live.sync()
-            records = read_pins(store.backend)
+            records = read_pins(store.backend) if live.pins_on_disk else []
         except FlashCkptError as exc:
             return _skipped(store, f"{exc}; nothing was deleted")
         return _collect(store, live, records, set(pinned), full)

@@ -91,7 +91,11 @@ class Liveness:
         self.candidates: set[str] = set()  # may have become garbage since the last collection
         self.quarantined: set[str] = set()
         self.synced = False  # every listed manifest parsed at least once
-        self.needs_full = True  # the next collection sweeps every chunk file
+        # local tiers: pins on disk, and the first collection sweeps every chunk file (orphans
+        # of processes that died). A remote tier has one writer, the promoter of the job that
+        # owns it: pins stay in memory and listing a bucket is never done behind one's back.
+        self.pins_on_disk = self.root is not None
+        self.needs_full = self.root is not None
 
     # -- the chunk index ----------------------------------------------------------------
     def index(self) -> dict[str, ChunkRef]:
@@ -243,7 +247,13 @@ class Liveness:
             self._pins[h] += delta
             if self._pins[h] <= 0:
                 del self._pins[h]
-                self.candidates.add(h)
+                if h not in self._refcount:
+                    self.candidates.add(h)
+
+    def has_garbage(self) -> bool:
+        """Is a collection worth running (candidates, or a full sweep due)?"""
+        with self.mutex:
+            return self.needs_full or any(h not in self._refcount for h in self.candidates)
 
     @contextmanager
     def exclusive(self) -> Iterator[bool]:
@@ -307,7 +317,8 @@ class Window:
         if live.lock is not None:
             live.lock.hold_shared()
         try:
-            write_pin(live.backend, self.record)
+            if live.pins_on_disk:
+                write_pin(live.backend, self.record)
         except BaseException:
             if live.lock is not None:
                 live.lock.release_shared()
@@ -355,7 +366,9 @@ class Window:
             if failed:
                 live.candidates |= self._writes
         try:
-            if failed and self._writes:  # tell the other processes' gc what to look at
+            if not live.pins_on_disk:
+                pass
+            elif failed and self._writes:  # tell the other processes' gc what to look at
                 self.record.state, self.record.hashes = "failed", sorted(self._writes)
                 write_pin(live.backend, self.record)
             else:
@@ -377,7 +390,10 @@ class Pin:
         with live.mutex:
             live._pin(self.hashes, +1)
         try:
-            write_pin(live.backend, self.record)
+            if live.pins_on_disk:
+                write_pin(live.backend, self.record)
+            else:
+                self.record = None
         except OSError as exc:  # this process still honours it; other processes may not
             log.warning("could not record pin of step %s on disk: %s", step, exc)
             self.record = None

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 from flashckpt.engine.tiercopy import ChunkCopier, PromotionStopped, copy_step
 from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.journal import Journal
-from flashckpt.store.liveness import Pin
 from flashckpt.store.manifest import Manifest
+from flashckpt.store.pins import Pin
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers import Tier

@@ -30,8 +30,8 @@ from flashckpt.errors import FlashCkptError
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
 from flashckpt.store.gc import collect_garbage
-from flashckpt.store.liveness import Window
 from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
+from flashckpt.store.pins import Window
 
 log = logging.getLogger(__name__)
 

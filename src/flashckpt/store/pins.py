@@ -1,4 +1,5 @@
-"""Pins at rest: ``ROOT/pins/<host>-<pid>-<n>.json``, one file per save or promotion in flight.
+"""Pins: the writer windows and promotion pins of the liveness module, and their files at rest,
+``ROOT/pins/<host>-<pid>-<n>.json`` (one per save or promotion in flight).
 
 A pin file records who holds it (host, pid, time), what for (``kind``: ``save`` or
 ``promote``, and the step) and the chunk hashes it keeps alive. Its ``state`` is ``open``
@@ -17,14 +18,21 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from flashckpt.errors import StorageError
+from flashckpt.errors import FlashCkptError, StorageError
 from flashckpt.store.backend import Backend
-from flashckpt.store.manifest import HASH_RE
+from flashckpt.store.manifest import HASH_RE, ChunkRef
+
+if TYPE_CHECKING:
+    from flashckpt.store.liveness import Liveness
+
+log = logging.getLogger(__name__)
 
 PIN_DIR = "pins"
 HOST = socket.gethostname()
@@ -162,3 +170,111 @@ def parse_pin(name: str, data: bytes, *, where: str) -> PinRecord:
 
 def _safe(host: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in host)[:64] or "host"
+
+
+class Window:
+    """One save or promotion writing into a tier; see the module docstring."""
+
+    def __init__(self, live: Liveness, *, kind: str, step: int | None) -> None:
+        self._live = live
+        self.record = new_record(kind=kind, step=step)
+        self._pinned: set[str] = set()
+        self._writes: set[str] = set()
+        self._closed = False
+        if live.lock is not None:
+            live.lock.hold_shared()
+        try:
+            if live.pins_on_disk:
+                write_pin(live.backend, self.record)
+        except BaseException:
+            if live.lock is not None:
+                live.lock.release_shared()
+            raise
+
+    @property
+    def hashes(self) -> set[str]:
+        return set(self._pinned)
+
+    def claim(self, h: str, size: int, *, reuse: bool = True) -> ChunkRef | None:
+        """Pin ``h``; the verified stored ref to reuse (``reuse=True``), or None: write it."""
+        live = self._live
+        with live.mutex:
+            if self._closed:
+                raise FlashCkptError(f"claim of chunk {h} after the window closed (internal)")
+            if h not in self._pinned:
+                self._pinned.add(h)
+                live._pin([h], +1)
+            ref = live.find(h, size) if reuse else None
+            if ref is None and h not in self._writes:
+                self._writes.add(h)
+                live._writing[h] += 1
+            return ref
+
+    def committed(self) -> None:
+        """The manifest naming every claimed chunk is committed: the pins go."""
+        self._close(failed=False)
+
+    def failed(self) -> None:
+        """The save or promotion gave up: what it claimed for writing is garbage unless a
+        manifest or another pin names it. Call ``gc.collect_garbage`` afterwards."""
+        self._close(failed=True)
+
+    def _close(self, *, failed: bool) -> None:
+        live = self._live
+        with live.mutex:
+            if self._closed:
+                return
+            self._closed = True
+            live._pin(self._pinned, -1)
+            for h in self._writes:
+                live._writing[h] -= 1
+                if live._writing[h] <= 0:
+                    del live._writing[h]
+            if failed:
+                live.candidates |= self._writes
+        try:
+            if not live.pins_on_disk:
+                pass
+            elif failed and self._writes:  # tell the other processes' gc what to look at
+                self.record.state, self.record.hashes = "failed", sorted(self._writes)
+                write_pin(live.backend, self.record)
+            else:
+                live.backend.delete(self.record.path)
+        except OSError as exc:
+            log.warning("could not update pin %s: %s", self.record.path, exc)
+        finally:
+            if live.lock is not None:
+                live.lock.release_shared()
+
+
+class Pin:
+    """Chunks kept alive for a queued promotion (no lock held); :meth:`release` once."""
+
+    def __init__(self, live: Liveness, hashes: set[str], *, kind: str, step: int | None) -> None:
+        self._live = live
+        self.hashes = frozenset(hashes)
+        self.record: PinRecord | None = new_record(kind=kind, step=step, hashes=sorted(hashes))
+        with live.mutex:
+            live._pin(self.hashes, +1)
+        try:
+            if live.pins_on_disk:
+                write_pin(live.backend, self.record)
+            else:
+                self.record = None
+        except OSError as exc:  # this process still honours it; other processes may not
+            log.warning("could not record pin of step %s on disk: %s", step, exc)
+            self.record = None
+
+    def release(self) -> None:
+        live = self._live
+        with live.mutex:
+            if self.record is None and not self.hashes:
+                return
+            live._pin(self.hashes, -1)
+            self.hashes = frozenset()
+        if self.record is not None:
+            try:
+                live.backend.delete(self.record.path)
+            except OSError as exc:
+                log.warning("could not remove pin %s: %s", self.record.path, exc)
+            self.record = None

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,6 +211,21 @@ def test_restore_racing_retention_does_not_journal_corrupt(tmp_path, monkeypatch
     events = [json.loads(x) for x in (tmp_path / "journal.jsonl").read_text().splitlines()]
     assert not any(e["event"] == "corrupt" for e in events)
     assert any(e["event"] == "vanished" for e in events)
+
+
+def test_ls_skips_a_step_deleted_between_listing_and_reading(tmp_path, monkeypatch, capsys):
+    """`flashckpt ls` next to a training job printed DAMAGED for steps retention had deleted."""
+    from flashckpt.cli import store_cmds
+    from flashckpt.engine import tiers
+
+    _save(tmp_path, {2: 2.0})
+    store = CheckpointStore(LocalBackend(tmp_path))
+    listed = {1: [("local", store)], 2: [("local", store)]}  # step 1 went after the listing
+    monkeypatch.setattr(tiers, "list_tiers", lambda *a, **k: listed)
+    args = SimpleNamespace(root=str(tmp_path), memory_tier=None, remote=None)
+    assert store_cmds.cmd_ls(args) == 0
+    out = capsys.readouterr().out
+    assert "DAMAGED" not in out and "\n2 " in out
 
 
 def _chunk_files_of_manifest(root: Path, manifest) -> list[Path]:

@@ -130,7 +130,9 @@ class RootLock:
     """``ROOT/locks/root.lock``: writers shared, garbage collection exclusive (module doc)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        path = (Path(root) / "locks" / "root.lock").absolute()
+        # one descriptor per file per process: closing any other descriptor of it would drop
+        # the process's record locks, so aliases (symlinks) must map to the same state
+        path = Path(os.path.realpath(root)) / "locks" / "root.lock"
         with _roots_lock:
             self._st = _roots.setdefault(str(path), _RootLockState(path))
 

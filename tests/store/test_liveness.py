@@ -386,3 +386,43 @@ def test_gc_module_has_no_other_deleter():
         if "backend.delete(chunk_path" in text or "delete(chunk_path" in text:
             offenders.append(str(p.relative_to(src)))
     assert offenders == []
+
+
+_TRAIN = """
+import sys
+from pathlib import Path
+import torch
+import flashckpt
+root = Path(sys.argv[1])
+with flashckpt.Checkpointer(root, keep=3) as ckpt:
+    for step in range(40):
+        ckpt.save(step, {f"t{i}": torch.full((2048,), float(step * 8 + i)) for i in range(8)})
+(root / "done").touch()
+"""
+
+
+def test_gc_and_readers_of_another_process_next_to_a_training_process(tmp_path):
+    """A real trainer saves with retention while this process collects garbage and verifies:
+    gc never deletes what a save in flight or a kept step needs, and no step is reported
+    damaged (a step retention deleted mid-read is 'vanished')."""
+    root = tmp_path / "ck"
+    _save(root, {0: 0.0})
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAIN, str(root)])
+    store = CheckpointStore(LocalBackend(root))
+    problems, rounds = [], 0
+    try:
+        while not (root / "done").exists() and trainer.poll() is None:
+            collect_garbage(store, full=True)
+            for step in store.steps():
+                rep = verify_step(store, step)
+                problems += rep.problems
+            rounds += 1
+        assert trainer.wait(timeout=300) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert rounds > 0 and problems == []
+    assert store.steps() == [37, 38, 39]
+    for step in store.steps():
+        assert verify_step(store, step).ok

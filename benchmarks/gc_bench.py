@@ -1,7 +1,7 @@
 """Garbage-collection cost per save vs the number of retained steps (many small tensors).
 
     python benchmarks/gc_bench.py --tensors 8192 --retained 2,8,24 --out gc_bench.json
-    python benchmarks/gc_bench.py          # default: --retained 2,24 --extra 2 (about a minute)
+    python benchmarks/gc_bench.py          # default: --retained 2,16 --extra 2 (~45 s of CPU)
 
 For each ``KeepLast(N)`` a fresh root gets ``N + --extra`` synchronous saves of a state of
 ``--tensors`` small fp32 tensors (64 elements each; 64 of them change per step, so every save
@@ -89,7 +89,7 @@ def run_one(root: Path, *, tensors: int, retained: int, extra: int) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=8192)
-    ap.add_argument("--retained", default="2,24", help="comma-separated KeepLast(N) values")
+    ap.add_argument("--retained", default="2,16", help="comma-separated KeepLast(N) values")
     ap.add_argument("--extra", type=int, default=2, help="saves after retention starts")
     ap.add_argument("--dir", default=None, help="where roots go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")

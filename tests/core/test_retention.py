@@ -57,7 +57,7 @@ def test_gc_spares_pinned_and_referenced(tmp_path):
     for h in (orphan, inflight):
         store.backend.put(f"chunks/{h[:2]}/{h}", [b"x"])
     live_before = _chunks(tmp_path) - {orphan, inflight}
-    res = collect_garbage(store, pinned={inflight})
+    res = collect_garbage(store, pinned={inflight}, full=True)
     assert res.chunks_deleted == 1
     assert _chunks(tmp_path) == live_before | {inflight}
 

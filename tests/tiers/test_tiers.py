@@ -228,9 +228,9 @@ def test_pins_keep_chunks_alive_until_promoted(
 ) -> None:
     real_copy = promote.copy_step
 
-    def slow_copy(src: Any, dst: Any, manifest: Any, copier: Any) -> tuple[int, int]:
+    def slow_copy(src: Any, dst: Any, manifest: Any, copier: Any, **kw: Any) -> tuple[int, int]:
         time.sleep(0.15)  # memory retention runs (and deletes) meanwhile
-        return real_copy(src, dst, manifest, copier)
+        return real_copy(src, dst, manifest, copier, **kw)
 
     monkeypatch.setattr(promote, "copy_step", slow_copy)
     root = tmp_path / "ck"

@@ -1,7 +1,9 @@
 """Store commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``diff``, ``export``.
 
-All of them read a checkpoint root without the writer lock except ``gc``, which takes it so it
-can never race a running save.
+All of them read a checkpoint root without any lock except ``gc``, which takes the root lock
+exclusively (without waiting: while any save or promotion of any process holds it, it deletes
+nothing and says so). Readers never report as damaged a step that retention deleted while they
+read it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 from flashckpt.cli.progress import Progress
 from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError
+from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.gc import collect_garbage
-from flashckpt.store.lock import WriterLock
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 from flashckpt.store.verify import verify_step
@@ -83,7 +85,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         names = ",".join(name for name, _ in holders)
         try:
             m = holders[0][1].load_manifest(step)
+        except NoCheckpointError:
+            continue  # deleted by retention since it was listed: not damage
         except FlashCkptError as exc:
+            if not holders[0][1].has_step(step):
+                continue
             rows.append((str(step), "DAMAGED", "-", "-", "-", str(exc)[:40], names))
             continue
         st = m.stats
@@ -135,32 +141,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.root)
     steps = [pick_step(store, args.step)] if args.step is not None else store.steps()
     checked: dict[str, str | None] = {}
-    bad = 0
+    bad = gone = 0
     with Progress(total=len(steps), label="verify") as bar:
         for step in steps:
             rep = verify_step(store, step, checked=checked)
             bar.advance(1)
-            if rep.ok:
+            if rep.vanished:
+                gone += 1
+                bar.note(f"step {step}: deleted by retention while verifying (not damage)")
+            elif rep.ok:
                 bar.note(f"step {step}: ok ({rep.chunks} chunks, {format_bytes(rep.bytes)})")
             else:
                 bad += 1
                 for prob in rep.problems:
                     bar.note(f"DAMAGED {prob}")
-    print(
-        f"{len(steps) - bad} of {len(steps)} checkpoints ok" + (f", {bad} damaged" if bad else "")
-    )
+    total = len(steps) - gone
+    print(f"{total - bad} of {total} checkpoints ok" + (f", {bad} damaged" if bad else ""))
     return 1 if bad else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     store = open_store(args.root)
-    lock = WriterLock(store.url)
-    lock.acquire()
-    try:
-        res = collect_garbage(store)
-    finally:
-        lock.release()
-    print(f"deleted {res.chunks_deleted} unreferenced chunks ({format_bytes(res.bytes_deleted)})")
+    res = collect_garbage(store, full=True)
+    if res.skipped is not None:
+        Journal(Path(store.url) / JOURNAL_NAME).append(
+            "gc_skipped", tier="local", reason=res.skipped
+        )
+        print(f"{res.skipped}; nothing was deleted, try again when no save is running")
+        return 1
+    print(
+        f"deleted {res.chunks_deleted} unreferenced chunks ({format_bytes(res.bytes_deleted)})"
+        + (f" and {res.temp_deleted} stale temporary files" if res.temp_deleted else "")
+    )
     return 0
 
 

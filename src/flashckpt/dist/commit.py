@@ -66,6 +66,7 @@ class DistSaveJob(SaveJob):
         error = None
         try:
             store.commit(manifest, chunk_dirs=chunk_dirs, name=part_name(step, rank))
+            self.release_pins()  # the part names our chunks: rank 0 may now collect garbage
         except Exception as exc:
             error = describe("writing its part", exc)
         self.attempt.agree("save", error)
@@ -103,6 +104,7 @@ class DistSaveJob(SaveJob):
         return self.attempt.fail(exc, "staging/persisting")
 
     def cleanup_after_failure(self) -> None:
+        self.release_pins(failed=True)  # before rank 0 collects what this save wrote
         self.attempt.cleanup()
 
 

@@ -5,8 +5,17 @@ that wants the step (its retention policy would keep it and it does not hold it 
 the chunks the tier lacks (by hash, several at once; each chunk is read back and verified
 first, so a damaged copy never spreads: :mod:`flashckpt.engine.tiercopy`), then writes the
 manifest last, then applies that tier's retention. Every
-chunk of a queued or running task is pinned, so no tier's garbage collection deletes it even if
-the source tier's retention already dropped the step.
+chunk of a queued or running task is pinned (:meth:`flashckpt.store.liveness.Liveness.pin`, in
+memory and on disk), so no garbage collection deletes it even if the source tier's retention
+already dropped the step; the pin goes when the task ends or is dropped, and the source tier is
+collected then.
+
+The queue is bounded (``Promotion.max_queued`` tasks waiting, plus the one being copied), so a
+slow disk or remote can never make the memory tier hold more than its retention plus those
+steps. When it is full, ``on_full="wait"`` (default) makes the next save wait for room (every
+step is promoted; training slows to the slower tier's pace), and ``on_full="skip"`` drops the
+oldest waiting step instead (journaled as ``promote_skipped``, naming the newer step that
+replaced it; the skipped step stays in the faster tier until its retention drops it).
 
 Failures never reach training: they are logged, journaled as ``promote_failed`` and retried
 with exponential backoff; after ``Promotion.retries`` attempts the tier is skipped for that step
@@ -23,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flashckpt.engine.tiercopy import ChunkCopier, copy_step
+from flashckpt.engine.tiercopy import ChunkCopier, PromotionStopped, copy_step
 from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.journal import Journal
 from flashckpt.store.manifest import Manifest
+from flashckpt.store.pins import Pin
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers import Tier
@@ -42,7 +52,10 @@ class Promotion:
     attempts per step and tier; the k-th wait is
     ``min(max_backoff_s, backoff_s * 2**k)``. ``close_timeout_s``: the most ``close()`` waits for
     queued promotions (None: until they finish or give up); what is left is journaled as
-    ``promote_abandoned`` and stays in the faster tier.
+    ``promote_abandoned`` and stays in the faster tier. ``max_queued``: steps waiting for
+    promotion (besides the one being copied); ``on_full``: ``"skip"`` drops the oldest waiting
+    step when a newer one arrives, ``"wait"`` (default) makes the newer one wait for room.
+    ``stop_timeout_s``: how long ``close()`` waits for the copy in progress to stop.
     """
 
     retries: int = 8
@@ -50,6 +63,9 @@ class Promotion:
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     close_timeout_s: float | None = None
+    max_queued: int = 2
+    on_full: str = "wait"
+    stop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.retries, int) or self.retries < 1:
@@ -60,6 +76,13 @@ class Promotion:
             raise ConfigError("Promotion needs 0 <= backoff_s <= max_backoff_s")
         if self.close_timeout_s is not None and self.close_timeout_s < 0:
             raise ConfigError("Promotion(close_timeout_s=) must be >= 0 or None")
+        q = self.max_queued
+        if not isinstance(q, int) or isinstance(q, bool) or q < 1:
+            raise ConfigError(f"Promotion(max_queued=) must be an int >= 1, got {q!r}")
+        if self.on_full not in ("skip", "wait"):
+            raise ConfigError(f"Promotion(on_full=) must be 'skip' or 'wait', not {self.on_full!r}")
+        if self.stop_timeout_s < 0:
+            raise ConfigError("Promotion(stop_timeout_s=) must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -69,6 +92,7 @@ class PromoteTask:
     manifest: Manifest
     dsts: list[Tier]
     queued_t: float
+    pin: Pin  # the source step's chunks, until the task ends or is dropped
 
 
 class Promoter:
@@ -81,13 +105,13 @@ class Promoter:
         journal: Journal,
         wants: Callable[[Tier, int], bool],
         after: Callable[[Tier], None],
-        pin: Callable[[set[str], int], None],
+        release: Callable[[PromoteTask], None],
     ) -> None:
         self.options = options
         self.journal = journal
         self._wants = wants
         self._after = after
-        self._pin = pin
+        self._release_cb = release
         self._queue: deque[PromoteTask] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -96,15 +120,61 @@ class Promoter:
         self._copier = ChunkCopier(options.workers)
 
     def submit(self, task: PromoteTask) -> None:
-        self._pin(task.manifest.chunk_hashes(), +1)
+        """Queue ``task`` (its chunks are pinned already); see the module docstring for what
+        happens when the queue is full."""
+        dropped: list[PromoteTask] = []
         with self._cv:
-            self._queue.append(task)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="flashckpt-promote", daemon=True
-                )
-                self._thread.start()
-            self._cv.notify_all()
+            while len(self._queue) >= self.options.max_queued and not self._stopping:
+                if self.options.on_full == "wait":
+                    self._cv.wait(1.0)
+                    continue
+                dropped.append(self._queue.popleft())
+            closed = self._stopping
+            if not closed:
+                self._queue.append(task)
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="flashckpt-promote", daemon=True
+                    )
+                    self._thread.start()
+                self._cv.notify_all()
+        for old in dropped:
+            self._skipped(old, newer=task.step)
+        if closed:
+            self._abandon(task)
+
+    def _skipped(self, task: PromoteTask, *, newer: int) -> None:
+        self.journal.append(
+            "promote_skipped",
+            step=task.step,
+            src=task.src.name,
+            newer=newer,
+            reason=f"promotion fell behind (more than {self.options.max_queued} steps waiting)",
+        )
+        log.warning(
+            "promotion fell behind: step %d is not promoted (step %d replaces it); it stays in "
+            "%s until that tier's retention drops it",
+            task.step,
+            newer,
+            task.src.url,
+        )
+        self._release(task)
+
+    def _abandon(self, task: PromoteTask) -> None:
+        self.journal.append("promote_abandoned", step=task.step, src=task.src.name, reason="closed")
+        log.warning(
+            "promotion of step %d from %s abandoned at close; it stays in %s",
+            task.step,
+            task.src.name,
+            task.src.url,
+        )
+        self._release(task)
+
+    def _release(self, task: PromoteTask) -> None:
+        try:
+            self._release_cb(task)
+        except Exception as exc:  # never let the promotion thread die on it
+            log.warning("releasing the pins of step %d failed: %s", task.step, exc)
 
     def pending(self) -> list[int]:
         with self._cv:
@@ -121,29 +191,23 @@ class Promoter:
                 self._cv.wait(left)
         return True
 
-    def stop(self) -> None:
-        """Stop after the current copy; drop (and journal) what is still queued."""
+    def stop(self) -> bool:
+        """Stop after the chunk being copied; drop (and journal) what is still queued. True
+        when the thread has ended (waits up to ``Promotion.stop_timeout_s``)."""
         with self._cv:
             self._stopping = True
             dropped = list(self._queue)
             self._queue.clear()
             self._cv.notify_all()
         for task in dropped:
-            self._pin(task.manifest.chunk_hashes(), -1)
-            self.journal.append(
-                "promote_abandoned", step=task.step, src=task.src.name, reason="closed"
-            )
-            log.warning(
-                "promotion of step %d from %s abandoned at close; it stays in %s",
-                task.step,
-                task.src.name,
-                task.src.url,
-            )
+            self._abandon(task)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
-        if thread is None or not thread.is_alive():
+            thread.join(timeout=self.options.stop_timeout_s)
+        stopped = thread is None or not thread.is_alive()
+        if stopped:
             self._copier.close()
+        return stopped
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -155,13 +219,14 @@ class Promoter:
                     return
                 task = self._queue.popleft()
                 self._busy = True
+                self._cv.notify_all()  # a submit waiting for room (on_full="wait")
             try:
                 for dst in task.dsts:
                     self._promote_to(task, dst)
             except BaseException as exc:  # never let the thread die silently
                 log.exception("promotion of step %d failed: %s", task.step, exc)
             finally:
-                self._pin(task.manifest.chunk_hashes(), -1)
+                self._release(task)
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
@@ -174,7 +239,13 @@ class Promoter:
                 if not self._wants(dst, task.step):
                     return
                 t0 = time.perf_counter()
-                nbytes, nchunks = copy_step(task.src, dst, task.manifest, self._copier)
+                stop = lambda: self._stopping  # noqa: E731
+                nbytes, nchunks = copy_step(task.src, dst, task.manifest, self._copier, stop=stop)
+            except PromotionStopped:
+                self.journal.append(
+                    "promote_abandoned", step=task.step, src=task.src.name, reason="closed"
+                )
+                return
             except CorruptCheckpointError as exc:
                 self.journal.append("corrupt", step=task.step, tier=task.src.name, error=str(exc))
                 log.error("not promoting damaged step %d from %s: %s", task.step, task.src.url, exc)

@@ -26,11 +26,12 @@ from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
 from flashckpt.engine.layout import ChunkPlan
 from flashckpt.engine.staging import StagingPool
+from flashckpt.errors import FlashCkptError
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
-from flashckpt.store.gc import referenced_chunks
+from flashckpt.store.gc import collect_garbage
 from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
-from flashckpt.store.store import chunk_path
+from flashckpt.store.pins import Window
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class _Progress:
     pending: list[Future[None]] = field(default_factory=list)
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    claims: dict[str, int] = field(default_factory=dict)  # hash -> chunk index writing it
+    window: Window | None = None  # this save's pins (store/liveness.py), opened at first chunk
 
 
 class SaveJob:
@@ -94,6 +97,7 @@ class SaveJob:
             self._raise_if_failed()
             manifest = self.build_manifest()
             self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
+            self.release_pins()
             self.manifest = manifest
             stats.background_s = time.perf_counter() - self.t0
             self.handle.durable.set_result(stats)
@@ -189,15 +193,20 @@ class SaveJob:
         return self.ctx.pool
 
     def _reuse(self, ci: int, h: str, size: int) -> bool:
-        """Record chunk ``ci`` as ``h``; True when no write is needed."""
+        """Record chunk ``ci`` as ``h``; True when no write is needed. ``h`` is pinned in this
+        save's liveness window before the decision, and a stored chunk is reused only when the
+        tier holds it with the right size and it is not quarantined (``Window.claim``)."""
         self.hashes[ci] = h
         stats = self.handle.stats
         with self._p.lock:
+            owner = self._p.claims.get(h)
+            if owner == ci:
+                return False  # this chunk claimed it before (device fingerprint path): write it
             stats.total_bytes += size
-            if h in self._p.refs:
-                stats.reused_bytes += size
+            if h in self._p.refs or owner is not None:
+                stats.reused_bytes += size  # the same bytes appear earlier in this save
                 return True
-            ref = self.ctx.store.find_chunk(h) if self.ctx.incremental else None
+            ref = self._pins().claim(h, size, reuse=self.ctx.incremental)
             if ref is not None:
                 self._p.refs[h] = ChunkRef(
                     hash=h, size=size, codec=ref.codec, stored_size=max(ref.stored_size, 0)
@@ -205,10 +214,22 @@ class SaveJob:
                 stats.reused_bytes += size
                 stats.chunks_reused += 1
                 return True
-            self._p.refs[h] = ChunkRef(hash=h, size=size)  # claimed; final ref set on write
+            self._p.claims[h] = ci  # this chunk writes it; its ref is set when it lands
             stats.new_bytes += size
             stats.chunks_new += 1
         return False
+
+    def _pins(self) -> Window:
+        if self._p.window is None:
+            self._p.window = self.ctx.store.liveness.open_window(kind="save", step=self.handle.step)
+        return self._p.window
+
+    def release_pins(self, *, failed: bool = False) -> None:
+        """End this save's liveness window: after its manifest (or rank part) is committed,
+        or (``failed=True``) when it gave up. Idempotent."""
+        win = self._p.window
+        if win is not None:
+            win.failed() if failed else win.committed()
 
     # -- persisting -------------------------------------------------------------------------
     def _submit(
@@ -357,16 +378,16 @@ class SaveJob:
         return exc
 
     def cleanup_after_failure(self) -> None:
-        """Remove chunks this save wrote that no committed checkpoint references."""
+        """Give back this save's pins; the chunks it wrote that nothing else references are
+        collected now, or by the next collection when another process is writing the root
+        (the liveness module keeps them as candidates, on disk too)."""
+        self.release_pins(failed=True)
         if not self._p.written:
             return
         try:
-            live = referenced_chunks(self.ctx.store)
-        except BaseException as exc:  # leave them for gc rather than risk a live chunk
+            res = collect_garbage(self.ctx.store)
+        except FlashCkptError as exc:
             log.warning("could not clean up after failed save %d: %s", self.handle.step, exc)
             return
-        for h in self._p.written:
-            ref = self._p.refs.get(h)
-            if ref is not None and h not in live:
-                self.ctx.store.backend.delete(chunk_path(h, ref.codec))
-                self.ctx.store.forget_chunk(h)
+        if res.skipped:
+            log.info("chunks of failed save %d left for later: %s", self.handle.step, res.skipped)

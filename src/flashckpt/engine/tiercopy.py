@@ -2,7 +2,11 @@
 
 The chunks the destination lacks are copied on a few worker threads: each chunk is read back
 from the source and verified against its hash (a damaged copy never spreads), written to the
-destination (fsynced there, or uploaded), and only then is the manifest committed. Per-chunk
+destination (fsynced there, or uploaded), and only then is the manifest committed. The copy is
+a writer of the destination like a save: it runs inside a liveness window there
+(:mod:`flashckpt.store.liveness`), so no garbage collection deletes a chunk it reuses or writes
+before its manifest lands, and a copy that fails (ENOSPC) leaves its chunks as gc candidates
+rather than orphans. A damaged source chunk is quarantined by the store's read. Per-chunk
 fsync or request latency, not bandwidth, bounds a sequential copy, so several run at once.
 
 Each worker copies raw chunks through a page-aligned buffer kept from step to step: the
@@ -16,13 +20,24 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from flashckpt.errors import FlashCkptError
 from flashckpt.store.directio import aligned
+from flashckpt.store.gc import collect_garbage
 from flashckpt.store.manifest import ChunkRef, Manifest
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers import Tier
+
+
+class PromotionStopped(FlashCkptError):
+    """The promoter is stopping (close()): the copy ended between two chunks."""
+
+
+def _never() -> bool:
+    return False
 
 
 class ChunkCopier:
@@ -34,9 +49,17 @@ class ChunkCopier:
         self._spare: list[_Buffer] = []
         self._lock = threading.Lock()
 
-    def copy(self, src: Tier, dst: Tier, refs: list[ChunkRef], step: int) -> list[ChunkRef]:
+    def copy(
+        self,
+        src: Tier,
+        dst: Tier,
+        refs: list[ChunkRef],
+        step: int,
+        stop: Callable[[], bool] = _never,
+    ) -> list[ChunkRef]:
         """Copy ``refs`` from ``src`` to ``dst``; their new refs, in order. The first error
-        stops the workers from starting more chunks and is raised once all have stopped."""
+        (or ``stop()`` turning True) stops the workers from starting more chunks and is raised
+        once all have stopped."""
         results: list[ChunkRef | None] = [None] * len(refs)
         errors: list[BaseException] = []
         todo = iter(range(len(refs)))
@@ -45,6 +68,8 @@ class ChunkCopier:
             buf = self._take()
             try:
                 while True:
+                    if stop():
+                        raise PromotionStopped(f"promotion of step {step} stopped at close")
                     with self._lock:
                         i = None if errors else next(todo, None)
                     if i is None:
@@ -101,20 +126,39 @@ class _Buffer:
         return memoryview(self._map)[:nbytes]
 
 
-def copy_step(src: Tier, dst: Tier, manifest: Manifest, copier: ChunkCopier) -> tuple[int, int]:
+def copy_step(
+    src: Tier,
+    dst: Tier,
+    manifest: Manifest,
+    copier: ChunkCopier,
+    *,
+    stop: Callable[[], bool] = _never,
+) -> tuple[int, int]:
     """Copy the chunks ``dst`` lacks, then the manifest. Returns (bytes copied, chunks copied)."""
-    refs: dict[str, ChunkRef] = {}
-    missing: list[ChunkRef] = []
-    for ref in manifest.chunks:
-        have = dst.store.find_chunk(ref.hash)
-        if have is None:
-            missing.append(ref)
-        else:
-            refs[ref.hash] = ChunkRef(
-                hash=ref.hash, size=ref.size, codec=have.codec, stored_size=max(have.stored_size, 0)
-            )
-    for new in copier.copy(src, dst, missing, manifest.step):
-        refs[new.hash] = new
-    copy = dataclasses.replace(manifest, chunks=[refs[r.hash] for r in manifest.chunks])
-    dst.store.commit(copy, chunk_dirs=dst.store.chunk_dirs([r.hash for r in missing]))
-    return sum(r.size for r in missing), len(missing)
+    win = dst.store.liveness.open_window(kind="promote", step=manifest.step)
+    try:
+        refs: dict[str, ChunkRef] = {}
+        missing: dict[str, ChunkRef] = {}
+        for ref in manifest.chunks:
+            if ref.hash in refs or ref.hash in missing:
+                continue
+            have = win.claim(ref.hash, ref.size)
+            if have is None:
+                missing[ref.hash] = ref
+            else:
+                refs[ref.hash] = dataclasses.replace(
+                    ref, codec=have.codec, stored_size=max(have.stored_size, 0)
+                )
+        for new in copier.copy(src, dst, list(missing.values()), manifest.step, stop):
+            refs[new.hash] = new
+        copy = dataclasses.replace(manifest, chunks=[refs[r.hash] for r in manifest.chunks])
+        dst.store.commit(copy, chunk_dirs=dst.store.chunk_dirs(list(missing)))
+    except BaseException:
+        win.failed()
+        try:
+            collect_garbage(dst.store)
+        except FlashCkptError:
+            pass  # the candidates stay recorded for the next collection
+        raise
+    win.committed()
+    return sum(r.size for r in missing.values()), len(missing)

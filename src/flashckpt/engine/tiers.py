@@ -19,8 +19,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from flashckpt.errors import (
 from flashckpt.journal import Journal
 from flashckpt.policy.retention import KeepLast, RetentionPolicy, as_retention
 from flashckpt.store.backend import LocalBackend
-from flashckpt.store.gc import apply_retention, collect_garbage
+from flashckpt.store.gc import GcResult, apply_retention, collect_garbage
 from flashckpt.store.lock import WriterLock
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
@@ -170,12 +169,15 @@ class TierSet:
     ) -> None:
         self.tiers = tiers
         self.journal = journal
+        self.pinned = extra_pins  # chunks of the save in flight, for a collection outside retain
         self._extra_pins = extra_pins
-        self._pins: Counter[str] = Counter()
-        self._pin_lock = threading.Lock()
         self._gc_lock = threading.Lock()
         self.promoter = Promoter(
-            options=promotion, journal=journal, wants=self.wants, after=self.retain, pin=self._pin
+            options=promotion,
+            journal=journal,
+            wants=self.wants,
+            after=self.retain,
+            release=self.release,
         )
         self._write_config()
 
@@ -244,7 +246,10 @@ class TierSet:
         if not slower:
             return
         m = manifest if manifest is not None else tier.store.load_manifest(step)
-        task = PromoteTask(step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time())
+        pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)
+        task = PromoteTask(
+            step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time(), pin=pin
+        )
         self.promoter.submit(task)
 
     def wants(self, dst: Tier, step: int) -> bool:
@@ -255,32 +260,45 @@ class TierSet:
         return step in dst.keep.keep(sorted({*steps, step}))
 
     # -- retention ----------------------------------------------------------------------------
-    def _pin(self, hashes: Iterable[str], delta: int) -> None:
-        with self._pin_lock:
-            for h in hashes:
-                self._pins[h] += delta
-                if self._pins[h] <= 0:
-                    del self._pins[h]
-
-    def pinned(self) -> set[str]:
-        with self._pin_lock:
-            pins = set(self._pins)
-        return pins | self._extra_pins()
+    def release(self, task: PromoteTask) -> None:
+        """A promotion is done (or dropped): its source chunks are no longer pinned, so what
+        the source tier's retention already dropped is collected now."""
+        task.pin.release()
+        if not task.src.store.liveness.has_garbage():
+            return
+        try:
+            with self._gc_lock:
+                res = collect_garbage(task.src.store, pinned=self._extra_pins())
+        except FlashCkptError as exc:
+            log.warning("gc of tier %s after promoting step %d: %s", task.src.name, task.step, exc)
+            return
+        self._journal_gc(task.src, (), res)
 
     def retain(self, tier: Tier) -> None:
-        """Apply ``tier``'s retention and collect its garbage, sparing every pinned chunk."""
+        """Apply ``tier``'s retention and collect its garbage (the liveness module spares every
+        pinned or referenced chunk; gc is skipped, and says so, while another process writes)."""
         with self._gc_lock:
             deleted = apply_retention(tier.store, tier.keep)
-            if not deleted:
+            if not tier.store.liveness.has_garbage():
                 return
-            res = collect_garbage(tier.store, pinned=self.pinned())
-        self.journal.append(
-            "gc",
-            tier=tier.name,
-            steps_deleted=list(deleted),
-            chunks_deleted=res.chunks_deleted,
-            bytes_deleted=res.bytes_deleted,
-        )
+            res = collect_garbage(tier.store, pinned=self._extra_pins())
+        self._journal_gc(tier, deleted, res)
+
+    def _journal_gc(self, tier: Tier, deleted: tuple[int, ...], res: GcResult) -> None:
+        if res.skipped is not None:
+            self.journal.append(
+                "gc_skipped", tier=tier.name, steps_deleted=list(deleted), reason=res.skipped
+            )
+        elif deleted or res.chunks_deleted or res.temp_deleted:
+            self.journal.append(
+                "gc",
+                tier=tier.name,
+                steps_deleted=list(deleted),
+                chunks_deleted=res.chunks_deleted,
+                bytes_deleted=res.bytes_deleted,
+                temp_deleted=res.temp_deleted,
+                full=res.full,
+            )
 
     # -- restoring ----------------------------------------------------------------------------
     def holders(self) -> dict[int, list[Tier]]:
@@ -303,7 +321,9 @@ class TierSet:
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout_s: float | None) -> bool:
-        """Wait for promotions (up to ``timeout_s``), stop the promoter, release tier locks."""
+        """Wait for promotions (up to ``timeout_s``), stop the promoter, trim the fastest tier
+        to its retention, then release the tier locks: never while the promoter may still
+        write (a promoter stuck in a copy keeps them until the process exits)."""
         ok = True
         try:
             ok = self.promoter.drain(timeout_s)
@@ -312,11 +332,25 @@ class TierSet:
                     "promotions still pending after %.1fs: %s", timeout_s, self.promoter.pending()
                 )
         finally:
-            self.promoter.stop()
-            for t in self.tiers:
-                if t.lock is not None:
-                    t.lock.release()
+            stopped = self.promoter.stop()
+            if stopped:
+                self._trim(self.fastest)
+                release_locks(self.tiers)
+            else:
+                self.journal.append("promote_stuck", reason="promoter did not stop at close")
+                log.error(
+                    "the promotion thread did not stop at close(); the tier locks stay held "
+                    "until this process exits"
+                )
         return ok
+
+    def _trim(self, tier: Tier) -> None:
+        if len(self.tiers) < 2:
+            return
+        try:
+            self.retain(tier)
+        except FlashCkptError as exc:
+            log.warning("retention of tier %s at close failed: %s", tier.name, exc)
 
     def restore(self, step: int, tiers: list[Tier], load: Callable[[Tier], None]) -> Tier:
         """Run ``load(tier)`` on the fastest copy of ``step`` that is valid; a damaged or
@@ -329,8 +363,16 @@ class TierSet:
             try:
                 load(tier)
             except (CorruptCheckpointError, StorageError) as exc:
+                # a lock-free reader racing retention finds chunks missing: not damage
+                vanished = isinstance(exc, CorruptCheckpointError) and not tier.store.has_step(step)
                 event = "corrupt" if isinstance(exc, CorruptCheckpointError) else "tier_unavailable"
+                event = "vanished" if vanished else event
                 self.journal.append(event, step=step, tier=tier.name, error=str(exc))
+                if i + 1 == len(tiers) and vanished:
+                    raise NoCheckpointError(
+                        f"step {step} was deleted from the {tier.name} tier by retention while "
+                        "it was being read (not damage); restore a newer step"
+                    ) from exc
                 if i + 1 == len(tiers):
                     raise
                 nxt = tiers[i + 1].name

@@ -1,7 +1,18 @@
-"""Retention and garbage collection.
+"""Retention and garbage collection, on the facts the liveness module owns.
 
-A chunk is garbage when no manifest (committed step or a rank's part) references it and no save
-in flight has pinned it. Only the process holding the writer lock collects garbage.
+A chunk is garbage when no committed manifest, no rank part, no pin (in this process or in
+``pins/`` on disk) and no open writer window names it. Collection:
+
+1. takes the root lock exclusively, without waiting: while any writer of any process holds it
+   shared, nothing is collected and the result says so (``skipped``);
+2. brings the manifest cache up to date and reads every pin file: ANY error reading a
+   manifest, a part or a pin aborts the collection and deletes nothing (fail closed);
+3. deletes the candidates: the chunks whose last reference or pin went away since the last
+   collection (cost proportional to what changed, not to the history kept), the chunks
+   recorded by failed saves and promotions of any process, and, on a full sweep, every
+   unreferenced chunk file plus the temporary files of processes that are gone. A full sweep
+   runs on the first collection of a process, after an expired pin (a process that died
+   mid-save), and for ``flashckpt gc``.
 """
 
 from __future__ import annotations
@@ -12,7 +23,9 @@ from dataclasses import dataclass
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.policy.retention import RetentionPolicy
-from flashckpt.store.manifest import HASH_RE
+from flashckpt.store.liveness import Liveness
+from flashckpt.store.names import SUFFIX, chunk_path, parse_chunk_name, temp_owner
+from flashckpt.store.pins import PinRecord, pid_alive, read_pins
 from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -23,52 +36,124 @@ class GcResult:
     steps_deleted: tuple[int, ...] = ()
     chunks_deleted: int = 0
     bytes_deleted: int = 0
+    temp_deleted: int = 0
+    full: bool = False
+    skipped: str | None = None  # why nothing was collected (lock busy, unreadable manifest/pin)
 
 
 def apply_retention(store: CheckpointStore, policy: RetentionPolicy) -> tuple[int, ...]:
-    """Delete manifests the policy does not keep; the newest step is always kept."""
-    steps = store.steps()
-    if not steps:
-        return ()
-    keep = set(policy.keep(steps)) | {steps[-1]}
-    doomed = tuple(s for s in steps if s not in keep)
-    for s in doomed:
-        store.delete_step(s)
+    """Delete manifests the policy does not keep; the newest step is always kept. Their
+    chunks become candidates of the next :func:`collect_garbage`."""
+    live = store.liveness
+    with live.mutex:
+        try:
+            live.sync()  # know the chunks of what is deleted (manifests committed elsewhere)
+        except FlashCkptError as exc:
+            log.warning("retention on %s: %s; the next gc sweeps everything", store.url, exc)
+            live.needs_full = True
+        steps = store.steps()
+        if not steps:
+            return ()
+        keep = set(policy.keep(steps)) | {steps[-1]}
+        doomed = tuple(s for s in steps if s not in keep)
+        for s in doomed:
+            store.delete_step(s)
     return doomed
 
 
 def referenced_chunks(store: CheckpointStore) -> set[str]:
-    refs: set[str] = set()
-    for step in store.steps():
-        try:
-            refs |= store.load_manifest(step).chunk_hashes()
-        except FlashCkptError as exc:
-            log.warning("gc: ignoring unreadable manifest for step %s: %s", step, exc)
-    for name in store.part_names():
-        try:
-            refs |= store.load_manifest(-1, name=f"steps/{name}").chunk_hashes()
-        except FlashCkptError as exc:
-            log.warning("gc: ignoring unreadable part manifest %s: %s", name, exc)
-    return refs
+    """Every chunk a committed manifest or part names; raises on any unreadable one."""
+    store.liveness.sync()
+    return store.liveness.referenced()
 
 
-def collect_garbage(store: CheckpointStore, *, pinned: Collection[str] = ()) -> GcResult:
-    """Delete chunks that nothing references; never one in ``pinned`` (in-flight saves)."""
-    live = referenced_chunks(store) | set(pinned)
-    backend = store.backend
-    deleted = 0
-    freed = 0
-    for sub in backend.list("chunks"):
-        for name in backend.list(f"chunks/{sub}"):
-            h = name.partition(".")[0]
-            if not HASH_RE.match(h) or h in live:
-                continue
-            path = f"chunks/{sub}/{name}"
-            try:
-                freed += backend.size(path)
-            except OSError:
-                pass
-            backend.delete(path)
-            store.forget_chunk(h)
+def collect_garbage(
+    store: CheckpointStore, *, pinned: Collection[str] = (), full: bool = False
+) -> GcResult:
+    """Delete chunks nothing needs (module docstring); never one in ``pinned``."""
+    live = store.liveness
+    with live.exclusive() as got:
+        if not got:
+            return _skipped(store, "a save or promotion of another process is writing it")
+        try:
+            live.sync()
+            records = read_pins(store.backend) if live.pins_on_disk else []
+        except FlashCkptError as exc:
+            return _skipped(store, f"{exc}; nothing was deleted")
+        return _collect(store, live, records, set(pinned), full)
+
+
+def _collect(
+    store: CheckpointStore, live: Liveness, records: list[PinRecord], pinned: set[str], full: bool
+) -> GcResult:
+    expired = [r for r in records if r.owner_dead()]
+    done = [r for r in records if r.state == "failed" or r in expired]
+    keep = {h for r in records if r not in done for h in r.hashes}
+    full = full or live.needs_full or bool(expired)
+    candidates = set(live.candidates) | {h for r in done for h in r.hashes}
+    files = _all_chunk_files(store) if full else None
+    if files is not None:
+        candidates |= set(files)
+    alive = live.referenced() | live.pinned() | keep | pinned
+    deleted = freed = 0
+    for h in candidates - alive:
+        paths = files.get(h, []) if files is not None else _paths(h)
+        sizes = [_delete(store, p) for p in paths]
+        if any(n >= 0 for n in sizes):
             deleted += 1
-    return GcResult(chunks_deleted=deleted, bytes_deleted=freed)
+            freed += sum(n for n in sizes if n > 0)
+        live.forget(h)
+    # still pinned (not referenced): look again once the pin goes
+    live.candidates = (candidates & alive) - live.referenced()
+    temps = _delete_stale_temps(store) if full else 0
+    for r in done:
+        store.backend.delete(r.path)
+    if full:
+        live.needs_full = False
+    return GcResult(chunks_deleted=deleted, bytes_deleted=freed, temp_deleted=temps, full=full)
+
+
+def _skipped(store: CheckpointStore, why: str) -> GcResult:
+    msg = f"garbage collection of {store.url} skipped: {why}"
+    log.warning(msg)
+    return GcResult(skipped=msg)
+
+
+def _paths(h: str) -> list[str]:
+    return [chunk_path(h, codec) for codec in SUFFIX]
+
+
+def _delete(store: CheckpointStore, path: str) -> int:
+    """Delete one chunk file; its size (-1 when it was not there)."""
+    try:
+        size = store.backend.size(path)
+    except OSError:
+        return -1
+    store.backend.delete(path)
+    return size
+
+
+def _all_chunk_files(store: CheckpointStore) -> dict[str, list[str]]:
+    files: dict[str, list[str]] = {}
+    for sub in store.backend.list("chunks"):
+        for name in store.backend.list(f"chunks/{sub}"):
+            parsed = parse_chunk_name(name)
+            if parsed is not None:
+                files.setdefault(parsed[0], []).append(f"chunks/{sub}/{name}")
+    return files
+
+
+def _delete_stale_temps(store: CheckpointStore) -> int:
+    """Temporary files (``*.tmp-<pid>-<n>``) of processes that are gone."""
+    list_temp = getattr(store.backend, "list_temp", None)
+    if list_temp is None:
+        return 0
+    dirs = ["steps", "pins"] + [f"chunks/{sub}" for sub in store.backend.list("chunks")]
+    n = 0
+    for d in dirs:
+        for name in list_temp(d):
+            pid = temp_owner(name)
+            if pid is not None and not pid_alive(pid):
+                store.backend.delete(f"{d}/{name}")
+                n += 1
+    return n

@@ -14,81 +14,48 @@ engine calls from one thread.
 from __future__ import annotations
 
 import logging
-import re
-import threading
 from collections.abc import Sequence
 
 from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
 from flashckpt.store import codec as codecs
 from flashckpt.store.backend import Backend, Buffer
-from flashckpt.store.manifest import HASH_RE, ChunkRef, Manifest, parse_manifest
+from flashckpt.store.liveness import Liveness, liveness_for
+from flashckpt.store.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.names import (
+    PART_RE,
+    STEP_RE,
+    chunk_path,
+    part_name,
+    step_name,
+)
 
 log = logging.getLogger(__name__)
 
-STEP_RE = re.compile(r"^(\d{1,15})\.json$")
-PART_RE = re.compile(r"^(\d{1,15})\.rank-(\d{1,8})\.json$")
-
-
-def step_name(step: int) -> str:
-    return f"steps/{step:012d}.json"
-
-
-def part_name(step: int, rank: int) -> str:
-    return f"steps/{step:012d}.rank-{rank}.json"
-
-
-_SUFFIX = {
-    "raw": "",
-    "zstd": ".zst",
-    "zstd+shuf2": ".zs2",
-    "zstd+shuf4": ".zs4",
-    "zstd+shuf8": ".zs8",
-}
-_CODEC_OF = {v.lstrip("."): k for k, v in _SUFFIX.items()}
-
-
-def chunk_path(h: str, codec: str) -> str:
-    """``chunks/ab/<hash>`` plus a suffix naming the codec (the name never comes from keys)."""
-    if not HASH_RE.match(h) or codec not in _SUFFIX:
-        raise CorruptCheckpointError(f"invalid chunk name {h!r} / codec {codec!r}", chunk=h)
-    return f"chunks/{h[:2]}/{h}{_SUFFIX[codec]}"
+__all__ = ["PART_RE", "STEP_RE", "CheckpointStore", "chunk_path", "part_name", "step_name"]
 
 
 class CheckpointStore:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._known: dict[str, ChunkRef] | None = None
-        self._lock = threading.RLock()
+        self._live: Liveness | None = None
 
     @property
     def url(self) -> str:
         return self.backend.url
 
-    # -- chunks ---------------------------------------------------------------------------
-    def _index(self) -> dict[str, ChunkRef]:
-        """Chunks this tier holds: listed once, then kept up to date by this process."""
-        with self._lock:
-            if self._known is None:
-                known: dict[str, ChunkRef] = {}
-                for sub in self.backend.list("chunks"):
-                    for name in self.backend.list(f"chunks/{sub}"):
-                        h, _, ext = name.partition(".")
-                        if HASH_RE.match(h) and ext in _CODEC_OF:
-                            known[h] = ChunkRef(hash=h, size=-1, codec=_CODEC_OF[ext])
-                self._known = known
-            return self._known
+    @property
+    def liveness(self) -> Liveness:
+        """Who may delete or reuse which chunk of this tier (shared by every store on it)."""
+        if self._live is None:
+            self._live = liveness_for(self.backend)
+        return self._live
 
-    def find_chunk(self, h: str) -> ChunkRef | None:
-        """The stored chunk with raw hash ``h``, or None. Local tiers confirm with a stat so a
-        chunk deleted behind our back is never reused."""
-        ref = self._index().get(h)
-        if ref is None:
-            return None
-        if self.backend.is_local and not self.backend.exists(chunk_path(h, ref.codec)):
-            with self._lock:
-                self._index().pop(h, None)
-            return None
-        return ref
+    # -- chunks ---------------------------------------------------------------------------
+    def find_chunk(self, h: str, *, size: int | None = None) -> ChunkRef | None:
+        """The stored chunk with raw hash ``h`` if it may be reused (present, of the right size
+        at rest, not quarantined), else None. A save in flight must pin it first:
+        ``Window.claim`` (:mod:`flashckpt.store.liveness`) does both."""
+        return self.liveness.find(h, size)
 
     def put_chunk(self, h: str, size: int, parts: Sequence[Buffer], codec: str) -> ChunkRef:
         """Store a chunk (idempotent). Returns its reference, with the stored size."""
@@ -98,14 +65,22 @@ class CheckpointStore:
             stored = list(parts)  # incompressible: keep it raw
         n = self.backend.put(chunk_path(h, stored_codec), stored)
         ref = ChunkRef(hash=h, size=size, codec=stored_codec, stored_size=n)
-        with self._lock:
-            self._index()[h] = ref
+        self.liveness.added(ref)
         return ref
 
     def forget_chunk(self, h: str) -> None:
-        with self._lock:
-            if self._known is not None:
-                self._known.pop(h, None)
+        self.liveness.forget(h)
+
+    def _damaged(self, ref: ChunkRef, exc: CorruptCheckpointError) -> CorruptCheckpointError:
+        """Quarantine a chunk whose bytes are wrong; the error to raise says so."""
+        if self.liveness.quarantine(ref, reason=str(exc)):
+            return CorruptCheckpointError(
+                f"{exc}; it was moved to {self.url}/quarantine/ and the next save writes it again",
+                step=exc.step,
+                key=exc.key,
+                chunk=exc.chunk,
+            )
+        return exc
 
     def read_chunk(
         self, ref: ChunkRef, *, step: int | None = None, key: str | None = None
@@ -118,8 +93,11 @@ class CheckpointStore:
             raise CorruptCheckpointError(
                 f"chunk {ref.hash} is missing{where}", step=step, key=key, chunk=ref.hash
             ) from None
-        raw = codecs.decode(stored, ref.codec, ref.size, chunk=ref.hash)
-        self._check(ref, raw, step=step, key=key)
+        try:
+            raw = codecs.decode(stored, ref.codec, ref.size, chunk=ref.hash)
+            self._check(ref, raw, step=step, key=key)
+        except CorruptCheckpointError as exc:
+            raise self._damaged(ref, exc) from None
         return raw
 
     def read_chunk_into(
@@ -135,15 +113,18 @@ class CheckpointStore:
                 key=key,
                 chunk=ref.hash,
             ) from None
-        if n != ref.size:
-            raise CorruptCheckpointError(
-                f"chunk {ref.hash} is truncated: {n} of {ref.size} bytes (tensor {key!r}, "
-                f"step {step})",
-                step=step,
-                key=key,
-                chunk=ref.hash,
-            )
-        self._check(ref, out, step=step, key=key)
+        try:
+            if n != ref.size:
+                raise CorruptCheckpointError(
+                    f"chunk {ref.hash} is truncated: {n} of {ref.size} bytes (tensor {key!r}, "
+                    f"step {step})",
+                    step=step,
+                    key=key,
+                    chunk=ref.hash,
+                )
+            self._check(ref, out, step=step, key=key)
+        except CorruptCheckpointError as exc:
+            raise self._damaged(ref, exc) from None
 
     @staticmethod
     def _check(ref: ChunkRef, raw: Buffer, *, step: int | None, key: str | None) -> None:
@@ -165,8 +146,10 @@ class CheckpointStore:
     ) -> None:
         """Make a checkpoint exist: sync chunk directories, then write the manifest last."""
         self.backend.sync_dirs(list(chunk_dirs))
-        self.backend.put(name or step_name(manifest.step), [manifest.to_json()])
+        path = name or step_name(manifest.step)
+        self.backend.put(path, [manifest.to_json()])
         self.backend.sync_dirs(["steps"])
+        self.liveness.on_commit(path, manifest)
 
     def steps(self) -> list[int]:
         out = []
@@ -188,7 +171,13 @@ class CheckpointStore:
         return m
 
     def delete_step(self, step: int) -> None:
+        """Delete a manifest (retention); its chunks become gc candidates."""
         self.backend.delete(step_name(step))
+        self.liveness.on_delete(step_name(step))
+
+    def has_step(self, step: int) -> bool:
+        """Is ``step`` still committed? Readers ask before calling a missing chunk damage."""
+        return self.liveness.still_listed(step)
 
     def part_names(self) -> list[str]:
         return [n for n in self.backend.list("steps") if PART_RE.match(n)]

@@ -1,11 +1,17 @@
-"""Re-hash every chunk a checkpoint references."""
+"""Re-hash every chunk a checkpoint references.
+
+Lock-free: a trainer may be saving and collecting garbage at the same time. A step whose
+manifest or chunk goes missing while it is verified is re-checked: if retention deleted it
+meanwhile, it is reported as ``vanished``, never as damage. A chunk whose bytes are wrong is
+quarantined by the store's read (:mod:`flashckpt.store.liveness`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import FlashCkptError, NoCheckpointError
 from flashckpt.store.store import CheckpointStore
 
 
@@ -15,6 +21,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     chunks: int = 0
     bytes: int = 0
+    vanished: bool = False  # retention deleted the step while it was being verified
 
     @property
     def ok(self) -> bool:
@@ -33,9 +40,12 @@ def verify_step(
     cache = checked if checked is not None else {}
     try:
         manifest = store.load_manifest(step)
+    except NoCheckpointError:
+        report.vanished = True
+        return report
     except FlashCkptError as exc:
         report.problems.append(str(exc))
-        return report
+        return _unless_vanished(store, report)
     owners: dict[int, str] = {}
     for key, entry in manifest.tensors.items():
         for shard in entry.shards:
@@ -54,4 +64,11 @@ def verify_step(
         report.bytes += ref.size
         if progress:
             progress(ref.size)
-    return report
+    return _unless_vanished(store, report) if report.problems else report
+
+
+def _unless_vanished(store: CheckpointStore, report: VerifyReport) -> VerifyReport:
+    """A problem found in a step that is no longer listed was a race with retention."""
+    if store.has_step(report.step):
+        return report
+    return VerifyReport(step=report.step, vanished=True)

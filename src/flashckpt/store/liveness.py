@@ -1,0 +1,305 @@
+"""Chunk liveness: the ONE owner of "which chunks of a tier may be deleted or trusted".
+
+One :class:`Liveness` exists per tier root per process (every :class:`CheckpointStore` on the
+same root shares it: ``store.liveness``). It knows
+
+* the chunk set of every committed manifest and every rank part, parsed once and cached
+  (manifests are immutable; the cache is keyed by name and, on local tiers, by the file's
+  inode/size/mtime, and updated by this process's commits and deletions);
+* the chunks present in the tier (listed once, then kept up to date), so a save can reuse one;
+* the pins of saves and promotions in flight: in memory for this process, and on disk under
+  ``pins/`` (:mod:`flashckpt.store.pins`) for every other process, rank and ``flashckpt gc``;
+* quarantine: a chunk found damaged is moved out of ``chunks/`` and forgotten, so the next
+  save writes it again.
+
+Garbage collection (:mod:`flashckpt.store.gc`) asks it what is live; nobody else deletes
+chunks. The store never starts a thread; every method here is synchronous and thread-safe.
+
+The contract, in the order a writer uses it (a save; a promotion copying into this tier)::
+
+    win = store.liveness.open_window(kind="save", step=step)
+        # 1. holds ROOT/locks/root.lock SHARED (waits while another process collects) and
+        #    writes pins/<host>-<pid>-<n>.json naming the owner
+    ref = win.claim(h, size)
+        # 2. for every chunk the save will name, BEFORE deciding: pins h, then returns the
+        #    stored ChunkRef to reuse (present, right size, not quarantined) or None:
+        #    the caller must write h (store.put_chunk) before committing
+    store.commit(manifest, ...)           # 3. the manifest (or rank part) names the chunks
+    win.committed()                       # 4. drop the pins, release the lock, remove the pin
+    # or, on any failure before 4:
+    win.failed()                          # 4'. the chunks it claimed for writing become gc
+                                          #     candidates (recorded in the pin file for other
+                                          #     processes), then call gc.collect_garbage(store)
+
+A queued promotion keeps its source step's chunks with ``pin = liveness.pin(hashes, ...)``
+(in memory and in a pin file, without the lock) and ``pin.release()`` when done or dropped.
+Readers need no lock: a reader that finds a chunk missing asks :meth:`Liveness.still_listed`
+before calling the step damaged (retention may have deleted it meanwhile); a reader that finds
+a chunk's bytes wrong calls :meth:`Liveness.quarantine` (the store's read methods do this).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+from flashckpt.errors import CorruptCheckpointError, FlashCkptError
+from flashckpt.store import codec as codecs
+from flashckpt.store.backend import Backend
+from flashckpt.store.lock import RootLock
+from flashckpt.store.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.names import PART_RE, STEP_RE, chunk_path, parse_chunk_name, step_name
+from flashckpt.store.pins import Pin, Window
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+_registry: weakref.WeakValueDictionary[str, Liveness] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def liveness_for(backend: Backend) -> Liveness:
+    """The process's Liveness of ``backend``'s root (shared by every store on that root)."""
+    with _registry_lock:
+        live = _registry.get(backend.url)
+        if live is None:
+            live = Liveness(backend)
+            _registry[backend.url] = live
+        return live
+
+
+class Liveness:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        root = getattr(backend, "root", None)
+        self.root: Path | None = Path(root) if backend.is_local and root is not None else None
+        self.lock = RootLock(self.root) if self.root is not None else None
+        self.mutex = threading.RLock()
+        self._manifests: dict[str, tuple[object, frozenset[str]]] = {}
+        self._refcount: Counter[str] = Counter()
+        self._refs: dict[str, ChunkRef] = {}  # one ChunkRef per referenced hash (sizes)
+        self._index: dict[str, ChunkRef] | None = None
+        self._pins: Counter[str] = Counter()  # this process's windows and promotion pins
+        self._writing: Counter[str] = Counter()  # claimed by an open window for writing
+        self.candidates: set[str] = set()  # may have become garbage since the last collection
+        self.quarantined: set[str] = set()
+        self.synced = False  # every listed manifest parsed at least once
+        # local tiers: pins on disk, and the first collection sweeps every chunk file (orphans
+        # of processes that died). A remote tier has one writer, the promoter of the job that
+        # owns it: pins stay in memory and listing a bucket is never done behind one's back.
+        self.pins_on_disk = self.root is not None
+        self.needs_full = self.root is not None
+
+    # -- the chunk index ----------------------------------------------------------------
+    def index(self) -> dict[str, ChunkRef]:
+        """Chunks this tier holds: listed once, then kept up to date by this process."""
+        with self.mutex:
+            if self._index is None:
+                known: dict[str, ChunkRef] = {}
+                for sub in self.backend.list("chunks"):
+                    for name in self.backend.list(f"chunks/{sub}"):
+                        parsed = parse_chunk_name(name)
+                        if parsed is not None:
+                            known[parsed[0]] = ChunkRef(hash=parsed[0], size=-1, codec=parsed[1])
+                self._index = known
+            return self._index
+
+    def find(self, h: str, size: int | None = None) -> ChunkRef | None:
+        """The stored chunk ``h`` if it may be reused: present, not quarantined, and (on local
+        tiers) of the size at rest its ChunkRef says. None means: write it."""
+        with self.mutex:
+            ref = None if h in self.quarantined else self.index().get(h)
+            if ref is None or self.root is None:
+                return ref
+            expected = self._stored_size(h, ref, size)
+            try:
+                at_rest = self.backend.size(chunk_path(h, ref.codec))
+            except OSError:
+                at_rest = -1
+            if at_rest < 0 or expected is None or at_rest != expected:
+                self.index().pop(h, None)  # missing, truncated or unknown: the caller rewrites it
+                return None
+            raw_size = size if size is not None else self._refs.get(h, ref).size
+            return ChunkRef(hash=h, size=raw_size, codec=ref.codec, stored_size=at_rest)
+
+    def _stored_size(self, h: str, ref: ChunkRef, size: int | None) -> int | None:
+        if ref.codec == "raw":
+            return size if size is not None else (ref.size if ref.size >= 0 else None)
+        if ref.stored_size > 0:
+            return ref.stored_size
+        if not self.synced:
+            try:
+                self.sync()
+            except FlashCkptError:
+                return None
+        known = self._refs.get(h)
+        return known.stored_size if known is not None and known.stored_size > 0 else None
+
+    def added(self, ref: ChunkRef) -> None:
+        with self.mutex:
+            self.index()[ref.hash] = ref
+            self.quarantined.discard(ref.hash)
+
+    def forget(self, h: str) -> None:
+        with self.mutex:
+            if self._index is not None:
+                self._index.pop(h, None)
+
+    # -- manifests ----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Bring the manifest cache up to date with ``steps/``: parse only new or changed
+        names, drop vanished ones. Raises on any read or parse error (callers fail closed)."""
+        with self.mutex:
+            names = {
+                f"steps/{n}"
+                for n in self.backend.list("steps")
+                if STEP_RE.match(n) or PART_RE.match(n)
+            }
+            for gone in set(self._manifests) - names:
+                self._drop(gone)
+            for name in sorted(names):
+                version = self._version(name)
+                cached = self._manifests.get(name)
+                if cached is not None and (version is None or cached[0] == version):
+                    continue
+                try:
+                    data = self.backend.read(name)
+                except FileNotFoundError:
+                    self._drop(name)  # deleted between list and read
+                    continue
+                m = parse_manifest(data, where=f"{self.backend.url}/{name}")
+                self._set(name, version, m.chunks)
+            self.synced = True
+
+    def on_commit(self, name: str, manifest: Manifest) -> None:
+        with self.mutex:
+            self._set(name, self._version(name), manifest.chunks)
+
+    def on_delete(self, name: str) -> None:
+        with self.mutex:
+            if name not in self._manifests:
+                self.needs_full = True  # chunks of a manifest never parsed: sweep to find them
+            self._drop(name)
+
+    def referenced(self) -> set[str]:
+        with self.mutex:
+            return set(self._refcount)
+
+    def still_listed(self, step: int) -> bool:
+        """For lock-free readers: is ``step`` still committed? (False: retention deleted it
+        while it was being read, which is not damage.)"""
+        try:
+            return self.backend.exists(step_name(step))
+        except OSError:
+            return True  # cannot tell: keep reporting what was found
+
+    def _version(self, name: str) -> object:
+        if self.root is None:
+            return None
+        try:
+            st = os.stat(self.root / name)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _set(self, name: str, version: object, chunks: Iterable[ChunkRef]) -> None:
+        self._drop(name)
+        refs = {c.hash: c for c in chunks}
+        self._manifests[name] = (version, frozenset(refs))
+        for h, c in refs.items():
+            self._refcount[h] += 1
+            if h not in self._refs or self._refs[h].stored_size <= 0:
+                self._refs[h] = c
+
+    def _drop(self, name: str) -> None:
+        old = self._manifests.pop(name, None)
+        if old is None:
+            return
+        for h in old[1]:
+            self._refcount[h] -= 1
+            if self._refcount[h] <= 0:
+                del self._refcount[h]
+                self._refs.pop(h, None)
+                self.candidates.add(h)
+
+    # -- pins ---------------------------------------------------------------------------
+    def open_window(self, *, kind: str, step: int | None) -> Window:
+        """A save or promotion into this tier begins (module docstring, steps 1-4)."""
+        return Window(self, kind=kind, step=step)
+
+    def pin(self, hashes: Iterable[str], *, kind: str, step: int | None) -> Pin:
+        """Keep ``hashes`` alive without the root lock (a queued promotion's source step)."""
+        return Pin(self, set(hashes), kind=kind, step=step)
+
+    def pinned(self) -> set[str]:
+        with self.mutex:
+            return set(self._pins)
+
+    def _pin(self, hashes: Iterable[str], delta: int) -> None:
+        for h in hashes:
+            self._pins[h] += delta
+            if self._pins[h] <= 0:
+                del self._pins[h]
+                if h not in self._refcount:
+                    self.candidates.add(h)
+
+    def has_garbage(self) -> bool:
+        """Is a collection worth running (candidates, or a full sweep due)?"""
+        with self.mutex:
+            return self.needs_full or any(h not in self._refcount for h in self.candidates)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[bool]:
+        """The root lock exclusively (non-blocking) for a collection; remote tiers have no
+        lock (one process writes them: its promoter), so this is always granted there."""
+        with self.mutex:
+            with self.lock.exclusive() if self.lock is not None else nullcontext(True) as got:
+                yield got
+
+    # -- quarantine -------------------------------------------------------------------------
+    def quarantine(self, ref: ChunkRef, *, reason: str) -> bool:
+        """``ref``'s bytes were found damaged: forget it here (no save reuses it) and move the
+        file out of ``chunks/`` (remote tiers: delete it) after checking once more that it
+        is damaged. True when it was moved. Never raises; callers journal the damage."""
+        with self.mutex:
+            self.forget(ref.hash)
+            self.quarantined.add(ref.hash)
+            if self._writing[ref.hash] > 0:
+                return False  # a save of this process is writing a good copy over it
+            path = chunk_path(ref.hash, ref.codec)
+            try:
+                if not self._damaged(ref, path):
+                    self.quarantined.discard(ref.hash)
+                    return False
+                self._move_away(path)
+            except (OSError, FlashCkptError) as exc:
+                log.warning("could not quarantine chunk %s (%s): %s", ref.hash, reason, exc)
+                return False
+        log.warning("quarantined damaged chunk %s of %s: %s", ref.hash, self.backend.url, reason)
+        return True
+
+    def _damaged(self, ref: ChunkRef, path: str) -> bool:
+        try:
+            stored = self.backend.read(path)
+        except FileNotFoundError:
+            return False
+        try:
+            raw = codecs.decode(stored, ref.codec, ref.size, chunk=ref.hash)
+        except CorruptCheckpointError:
+            return True
+        return len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash
+
+    def _move_away(self, path: str) -> None:
+        if self.root is None:
+            self.backend.delete(path)
+            return
+        dst = self.root / QUARANTINE_DIR
+        dst.mkdir(mode=0o700, exist_ok=True)
+        os.rename(self.root / path, dst / f"{Path(path).name}.{time.time_ns()}")

@@ -44,7 +44,9 @@ class Attempt:
             "already written into the live state: it is partly overwritten. Do not train on "
             "it: re-create the model and optimizer (fresh start) or restore an older step "
             "with restore(state, step=N)",
-            step=self.touched,
+            step=getattr(exc, "step", None) or self.touched,
+            key=getattr(exc, "key", None),
+            chunk=getattr(exc, "chunk", None),
         )
 
 

@@ -219,3 +219,26 @@ def test_unseen_background_error_still_raised_by_next_save(tmp_path, monkeypatch
         with pytest.raises(flashckpt.SaveError, match="step 1"):
             ck.save(2, {"w": torch.ones(1000)})
         ck.save(3, {"w": torch.ones(1000)}).wait(30)
+
+
+def test_sigterm_final_save_skips_a_step_already_committed(tmp_path):
+    """After SIGTERM the emergency save of a step an earlier run committed is skipped (a
+    step is saved once), not journaled as a failed save."""
+    import signal
+
+    from flashckpt.engine.preempt import Preempted
+
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        ck.save(5, {"w": torch.zeros(4)})
+    ck = flashckpt.Checkpointer(
+        tmp_path, save_policy=100, handle_sigterm=True, emergency_save={"w": torch.ones(4)}
+    )
+    try:
+        ck._preempt._on_signal(signal.SIGTERM, None)
+        with pytest.raises(Preempted):
+            ck.should_save(5)
+    finally:
+        ck.close()
+    assert not _events(tmp_path, "save_failed")
+    out = {"w": torch.empty(4)}
+    assert flashckpt.restore(tmp_path, out) == 5 and torch.equal(out["w"], torch.zeros(4))

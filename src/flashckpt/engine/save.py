@@ -26,12 +26,13 @@ from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
 from flashckpt.engine.hooks import MutationGuard
 from flashckpt.engine.layout import ChunkPlan
+from flashckpt.engine.manifests import job_manifest
 from flashckpt.engine.staging import StagingPool
 from flashckpt.errors import SaveError
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
 from flashckpt.store.gc import referenced_chunks
-from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
+from flashckpt.store.manifest import ChunkRef, Manifest
 from flashckpt.store.store import chunk_path
 
 if TYPE_CHECKING:
@@ -322,43 +323,14 @@ class SaveJob:
 
     def build_manifest(self) -> Manifest:
         """This rank's manifest of the save, once every chunk is durable."""
-        order: dict[str, int] = {}
-        chunks: list[ChunkRef] = []
-        for h in self.hashes:
-            if h not in order:
-                order[h] = len(chunks)
-                chunks.append(self._p.refs[h])
-        extents: dict[int, list[Extent]] = {}
-        for ci, chunk in enumerate(self.chunks):
-            off = 0
-            for piece in chunk.pieces:
-                ext = Extent(chunk=order[self.hashes[ci]], offset=off, length=piece.length)
-                extents.setdefault(piece.item, []).append(ext)
-                off += piece.length
-        tensors = {}
-        for idx, item in enumerate(self.captured.items):
-            shard = Shard(
-                offset=item.global_offset,
-                shape=item.shape,
-                extents=tuple(extents.get(idx, ())),
-                rank=self.ctx.rank,
-            )
-            tensors[item.key] = TensorEntry(
-                key=item.key,
-                kind=item.kind,
-                dtype=item.dtype,
-                global_shape=item.global_shape,
-                shards=(shard,),
-            )
-        return Manifest(
+        return job_manifest(
             step=self.handle.step,
-            time_s=time.time(),
-            world_size=self.ctx.world_size,
-            tree=self.captured.tree,
-            tensors=tensors,
-            chunks=chunks,
+            hashes=self.hashes,
+            refs=self._p.refs,
+            chunks=self.chunks,
+            captured=self.captured,
+            ctx=self.ctx,
             stats=self.handle.stats.as_dict(),
-            library=self.ctx.library,
         )
 
     def _fail(self, exc: BaseException) -> None:

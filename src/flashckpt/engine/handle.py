@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ class Outcome(Future[Any]):
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
-        except TimeoutError:
+        except FutureTimeout:
             raise
         except BaseException:
             self.observed = True

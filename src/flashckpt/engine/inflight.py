@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from flashckpt.engine.handle import SaveHandle, as_save_error, settle
 from flashckpt.engine.save import SaveJob
@@ -51,7 +52,7 @@ class InFlight:
             return True
         try:
             settle(handle.durable, timeout_s)
-        except TimeoutError:
+        except FutureTimeout:
             return False
         return True
 

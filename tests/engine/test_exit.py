@@ -48,3 +48,35 @@ def test_exit_without_close_finishes_the_save_in_flight(tmp_path, ending, code):
     assert torch.equal(out["w"], torch.arange(200000, dtype=torch.float32))
     events = [json.loads(x)["event"] for x in (tmp_path / "journal.jsonl").read_text().splitlines()]
     assert "durable" in events and "save_failed" not in events
+
+
+FORK = """
+import os, sys, time, torch, flashckpt
+from flashckpt.store.store import CheckpointStore
+
+real = CheckpointStore.put_chunk
+def slow(self, *a, **kw):
+    time.sleep(0.5)
+    return real(self, *a, **kw)
+CheckpointStore.put_chunk = slow
+
+ck = flashckpt.Checkpointer({root!r}, async_save=True, chunk_size="64KiB", persist_workers=1)
+handle = ck.save(3, {{"w": torch.arange(100000, dtype=torch.float32)}})
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child has the Checkpointer but none of its threads
+_, status = os.waitpid(pid, 0)
+print("child-exited", os.waitstatus_to_exitcode(status), handle.done(), flush=True)
+ck.close()
+"""
+
+
+def test_forked_child_exiting_does_not_wait_for_the_parents_save(tmp_path):
+    """The child's copy of the save in flight never completes (its threads stayed in the
+    parent); the exit hook must leave it alone instead of waiting for it."""
+    src = textwrap.dedent(FORK.format(root=str(tmp_path)))
+    res = subprocess.run([sys.executable, "-c", src], capture_output=True, timeout=240)
+    out = res.stdout.decode()
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+    assert "child-exited 0 False" in out  # the child was gone before the parent's save ended
+    assert flashckpt.restore(tmp_path, {"w": torch.empty(100000)}) == 3

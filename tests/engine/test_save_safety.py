@@ -242,3 +242,18 @@ def test_sigterm_final_save_skips_a_step_already_committed(tmp_path):
     assert not _events(tmp_path, "save_failed")
     out = {"w": torch.empty(4)}
     assert flashckpt.restore(tmp_path, out) == 5 and torch.equal(out["w"], torch.zeros(4))
+
+
+def test_staging_error_of_an_async_save_reaches_the_next_save(tmp_path, monkeypatch):
+    """save() waits for staging (no optimizer in the state) without raising; that internal
+    wait must not count as the caller having seen the error."""
+
+    def broken(job):
+        raise RuntimeError("staging failed (injected)")
+
+    with flashckpt.Checkpointer(tmp_path, async_save=True) as ck:
+        with monkeypatch.context() as m:
+            m.setattr(SaveJob, "_stage_all", broken)
+            ck.save(1, {"w": torch.ones(8)})
+        with pytest.raises(flashckpt.SaveError, match="step 1 failed: RuntimeError"):
+            ck.save(2, {"w": torch.ones(8)})

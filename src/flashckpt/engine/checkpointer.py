@@ -16,7 +16,7 @@ from flashckpt.engine import exit as exits
 from flashckpt.engine.cadence import decide
 from flashckpt.engine.context import build_context
 from flashckpt.engine.fingerprint import Fingerprinter
-from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error, failure
+from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.hooks import (
     MutationGuard,
     StepGate,
@@ -311,11 +311,8 @@ class Checkpointer:
         self._inflight.start(handle, job)
         handle.durable.add_done_callback(lambda _f: self._finish(handle, job))
         self._stager.submit(job.run)
-        if wait_staged:
-            try:
-                handle.staged.result()
-            except BaseException:
-                pass
+        if wait_staged:  # its error is raised by the next save() or close(), not here
+            settle(handle.staged)
 
     def _skipped(self, step: int) -> SaveHandle:
         handle = SaveHandle(step=step, stats=SaveStats(step=step), skipped=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
+import os
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,23 +33,23 @@ class _Exits(Protocol):
     def at_exit(self, wait_s: float) -> None: ...
 
 
-_open: weakref.WeakSet[Any] = weakref.WeakSet()
+_open: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # -> creating pid
 _lock = threading.Lock()
 
 
 def track(obj: _Exits) -> None:
     with _lock:
-        _open.add(obj)
+        _open[obj] = os.getpid()
 
 
 def untrack(obj: _Exits) -> None:
     with _lock:
-        _open.discard(obj)
+        _open.pop(obj, None)
 
 
 def _at_exit() -> None:
-    with _lock:
-        pending = list(_open)
+    with _lock:  # a forked child has the objects but not their threads: not its business
+        pending = [obj for obj, pid in _open.items() if pid == os.getpid()]
     for obj in pending:
         try:
             obj.at_exit(EXIT_WAIT_S)

@@ -19,7 +19,7 @@ from flashckpt.store.store import CheckpointStore
 
 real = CheckpointStore.put_chunk
 def slow(self, *a, **kw):
-    time.sleep(0.2)
+    time.sleep(0.5)
     return real(self, *a, **kw)
 CheckpointStore.put_chunk = slow
 
@@ -51,14 +51,15 @@ def test_exit_without_close_finishes_the_save_in_flight(tmp_path, ending, code):
 
 
 FORK = """
-import os, sys, time, torch, flashckpt
+import os, sys, threading, torch, flashckpt
 from flashckpt.store.store import CheckpointStore
 
+child_gone = threading.Event()
 real = CheckpointStore.put_chunk
-def slow(self, *a, **kw):
-    time.sleep(0.5)
+def held(self, *a, **kw):
+    child_gone.wait(120)  # the save stays in flight until the forked child has exited
     return real(self, *a, **kw)
-CheckpointStore.put_chunk = slow
+CheckpointStore.put_chunk = held
 
 ck = flashckpt.Checkpointer({root!r}, async_save=True, chunk_size="64KiB", persist_workers=1)
 handle = ck.save(3, {{"w": torch.arange(100000, dtype=torch.float32)}})
@@ -67,6 +68,7 @@ if pid == 0:
     sys.exit(0)  # the child has the Checkpointer but none of its threads
 _, status = os.waitpid(pid, 0)
 print("child-exited", os.waitstatus_to_exitcode(status), handle.done(), flush=True)
+child_gone.set()
 ck.close()
 """
 

@@ -134,3 +134,31 @@ def test_read_only_restore_while_another_process_trains_and_collects(tmp_path):
         trainer.wait(120)
     assert trainer.returncode == 0, trainer.stderr.read().decode() if trainer.stderr else ""
     assert not os.path.exists(root / "locks" / "running.json")
+
+
+def test_step_restore_found_damaged_can_be_saved_again_after_the_fallback(tmp_path):
+    """restore() skips damaged step 2 and loads step 1; training then reaches step 2 again.
+    That step is replaced in every tier (not refused as "already committed")."""
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    with flashckpt.Checkpointer(tmp_path, chunk_size="64KiB") as ck:
+        ck.save(1, _state(1.0))
+        ck.save(2, _state(2.0))
+    ref = CheckpointStore(LocalBackend(tmp_path)).load_manifest(2).chunks[0]
+    path = tmp_path / chunk_path(ref.hash, ref.codec)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    live = _state(0.0)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="64KiB") as ck:
+        with pytest.warns(UserWarning, match="skipping damaged checkpoint step 2"):
+            assert ck.restore(live) == 1
+        with pytest.raises(flashckpt.ConfigError, match="step 1 is already committed"):
+            ck.save(1, live)
+        ck.save(2, _state(2.5))
+    out = _state(0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flashckpt.restore(tmp_path, out) == 2
+    assert torch.equal(out["a"], torch.full((N,), 2.5))

@@ -26,7 +26,7 @@ from flashckpt.engine.hooks import (
 )
 from flashckpt.engine.inflight import InFlight
 from flashckpt.engine.lifecycle import RunMarker
-from flashckpt.engine.load import restore_from_tiers
+from flashckpt.engine.load import Attempt, restore_from_tiers
 from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options, check_step
 from flashckpt.engine.preempt import EmergencySave, Preemption
@@ -174,6 +174,7 @@ class Checkpointer:
         self._gate = StepGate(self._inflight.wait_staged)
         self.last_step: int | None = None
         self._meter = RunMeter()
+        self._damaged: set[int] = set()  # steps restore() found damaged in every tier
 
     def _stop_threads(self) -> None:
         self._gate.remove()
@@ -259,7 +260,7 @@ class Checkpointer:
                 return self._skipped(step)
             self._inflight.wait_durable()  # counted in this save's blocking time
             self._raise_pending()
-        refuse_existing(self._tiers.tiers, step)
+        refuse_existing(self._tiers.tiers, step, damaged=self._damaged, journal=self.journal)
         captured = capture(state)
         if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
             self._dist.split(captured, state)
@@ -369,17 +370,22 @@ class Checkpointer:
         """
         self._check_open()
         self._wait_current()
-        got = restore_from_tiers(
-            state,
-            step,
-            tiers=self._tiers,
-            store=self.store,
-            dist=self._dist,
-            journal=self.journal,
-            strict=strict,
-            rank=self.rank,
-            readers=self.options.readers,
-        )
+        attempt = Attempt()
+        try:
+            got = restore_from_tiers(
+                state,
+                step,
+                tiers=self._tiers,
+                store=self.store,
+                dist=self._dist,
+                journal=self.journal,
+                strict=strict,
+                rank=self.rank,
+                readers=self.options.readers,
+                attempt=attempt,
+            )
+        finally:  # a step damaged in every tier may be saved again (engine/steps.py)
+            self._damaged |= attempt.damaged
         if got is not None:
             self._restored(got)
         return got

@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +35,7 @@ class Attempt:
     """One ``restore()`` call: which step first wrote into the live state (None: none did)."""
 
     touched: int | None = None
+    damaged: set[int] = field(default_factory=set)  # steps whose every copy failed to verify
 
     def fail(self, exc: BaseException | None = None) -> CorruptCheckpointError:
         """The error of a restore that loaded nothing after touching the live state."""
@@ -136,6 +137,8 @@ def restore_newest(
             return candidate
         except (CorruptCheckpointError, StorageError) as exc:
             last = exc
+            if isinstance(exc, CorruptCheckpointError):
+                attempt.damaged.add(candidate)
             warnings.warn(f"skipping damaged checkpoint step {candidate}: {exc}", stacklevel=3)
     if attempt.touched is not None:
         raise attempt.fail(last) from last
@@ -153,12 +156,12 @@ def restore_from_tiers(
     strict: bool,
     rank: int,
     readers: int,
+    attempt: Attempt,
 ) -> int | None:
     """The Checkpointer's restore: the newest valid step (or ``step``) of any tier, each step's
     copies tried fastest tier first; under torch.distributed every rank loads the same step
     (``store``: the root's own store, where the ranks agree)."""
     holders = tiers.holders()  # every tier's copies, fastest first (engine/tiers.py)
-    attempt = Attempt()
 
     def load(s: int, t: Tier) -> None:
         load_step(

@@ -150,7 +150,7 @@ def decode_tree(node: Any, lookup: TensorLookup, depth: int = 0) -> Any:
         if tag == "__bytes__" and isinstance(val, str):
             return _decode_hex(val)
     if set(node) == {"__npscalar__", "v"}:
-        return _decode_npscalar(node)
+        return _decode_npscalar(node, depth)
     return {k: decode_tree(v, lookup, depth + 1) for k, v in node.items()}
 
 
@@ -175,11 +175,11 @@ def _decode_hex(val: str) -> bytes:
         raise ManifestError("malformed __bytes__ value in state tree") from exc
 
 
-def _decode_npscalar(node: dict[str, Any]) -> Any:
+def _decode_npscalar(node: dict[str, Any], depth: int) -> Any:
     from flashckpt.store.dtypes import numpy_dtype
 
     dtype = numpy_dtype(node["__npscalar__"])
-    value = decode_tree(node["v"], _no_tensors)
+    value = decode_tree(node["v"], _no_tensors, depth + 1)
     try:
         return dtype.type(value)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -1,6 +1,7 @@
 """flashckpt: checkpoints that do not stop training, and GPU memory that fits.
 
-The public face is small: :class:`Checkpointer`, :class:`SaveHandle`, :class:`RNG`,
+The public face is small: :class:`Checkpointer`, :func:`restore` (read-only, no lock),
+:class:`SaveHandle`, :class:`RNG`,
 :class:`ResumableSampler`, the errors, and the ``flashckpt.policy`` and ``flashckpt.memory``
 subpackages.
 """
@@ -8,6 +9,7 @@ subpackages.
 from flashckpt import policy
 from flashckpt.engine.checkpointer import Checkpointer
 from flashckpt.engine.handle import SaveHandle, SaveStats
+from flashckpt.engine.readonly import restore
 from flashckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -45,4 +47,5 @@ __all__ = [
     "UnsupportedStateError",
     "__version__",
     "policy",
+    "restore",
 ]

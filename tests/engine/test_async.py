@@ -158,6 +158,7 @@ def test_busy_wait_and_skip(tmp_path, make_state):
         gate = threading.Event()
         ckpt.store.backend = SlowBackend(tmp_path, gate=gate)
         first = ckpt.save(1, state)
+        first.staged.result()  # parameters may change outside optimizer.step() once staged
         with torch.no_grad():
             state["model"].fc1.weight.add_(1)
         second = ckpt.save(2, state)
@@ -170,6 +171,7 @@ def test_busy_wait_and_skip(tmp_path, make_state):
         with torch.no_grad():
             state["model"].fc1.weight.add_(1)
         a = ckpt.save(3, state)
+        a.staged.result()
         with torch.no_grad():
             state["model"].fc1.weight.add_(1)
         b = ckpt.save(4, state)  # waits for 3, counted as blocking

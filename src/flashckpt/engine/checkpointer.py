@@ -7,28 +7,38 @@ import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.runtime import DistRuntime
+from flashckpt.engine import exit as exits
+from flashckpt.engine.cadence import decide
 from flashckpt.engine.context import build_context
 from flashckpt.engine.fingerprint import Fingerprinter
-from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error
-from flashckpt.engine.hooks import StepGate, copy_unprotected, find_optimizers, protected_pointers
+from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error, failure, settle
+from flashckpt.engine.hooks import (
+    MutationGuard,
+    StepGate,
+    copy_unprotected,
+    find_optimizers,
+    protected_pointers,
+)
 from flashckpt.engine.inflight import InFlight
 from flashckpt.engine.lifecycle import RunMarker
-from flashckpt.engine.load import load_step, restore_newest
+from flashckpt.engine.load import Attempt, restore_from_tiers
 from flashckpt.engine.meter import RunMeter
-from flashckpt.engine.options import Options
+from flashckpt.engine.options import Options, check_step
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
-from flashckpt.engine.save import Committer, SaveJob
+from flashckpt.engine.save import SaveJob
 from flashckpt.engine.staging import StagingPool
-from flashckpt.engine.tiers import Tier, TierSet, build_tiers
-from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.engine.steps import holding, refuse_existing
+from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
+from flashckpt.errors import FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
-from flashckpt.policy.save import SavePolicy, as_save_policy, step_based
+from flashckpt.policy.save import SavePolicy, as_save_policy
 from flashckpt.state.capture import Captured, capture
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.lock import WriterLock
@@ -76,6 +86,7 @@ class Checkpointer:
         process_group: Any = None,
         dist_timeout_s: float = 300.0,
     ) -> None:
+        self._closed = True  # until __init__ succeeds: close() and the exit hook do nothing
         self.options = Options.build(
             host_memory_budget=host_memory_budget,
             chunk_size=chunk_size,
@@ -89,6 +100,7 @@ class Checkpointer:
             direct_io=direct_io,
         )
         self.keep = as_retention(keep)
+        self.save_policy = as_save_policy(save_policy)
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
@@ -96,19 +108,19 @@ class Checkpointer:
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
-        # the disk tier writes the aligned bulk of each chunk past the page cache (directio.py)
-        self.store = CheckpointStore(
-            LocalBackend(self.root, fsync=fsync, direct_io=self.options.direct_io and fsync)
-        )
-        self._lock = WriterLock(self.root, name=self._dist.lock_name if self._dist else "writer")
-        self._lock.acquire()
-        self.journal = Journal(
-            self.root / JOURNAL_NAME, rank=self._dist.rank if self._dist else None
-        )
-        self._promotion = promotion or Promotion()
-        self._inflight = InFlight()
-        try:  # tiers (see engine/tiers.py): memory -> local (root) -> remote
-            tiers = build_tiers(
+        lock_name = self._dist.lock_name if self._dist else "writer"
+        with ExitStack() as undo:  # any failure below releases what was taken so far
+            # the disk tier writes the aligned bulk of each chunk past the page cache
+            self.store = CheckpointStore(
+                LocalBackend(self.root, fsync=fsync, direct_io=self.options.direct_io and fsync)
+            )
+            self._lock = WriterLock(self.root, name=lock_name)
+            self._lock.acquire()
+            undo.callback(self._lock.release)
+            self.journal = Journal(self.root / JOURNAL_NAME, rank=self.rank if self._dist else None)
+            self._promotion = promotion or Promotion()
+            self._inflight = InFlight()
+            tiers = build_tiers(  # memory -> local (root) -> remote; see engine/tiers.py
                 local=self.store,
                 local_root=self.root,
                 keep=self.keep,
@@ -118,17 +130,37 @@ class Checkpointer:
                 remote_options=remote_options,
                 keep_remote=keep_remote,
                 fsync=fsync,
-                lock_name=self._dist.lock_name if self._dist else "writer",
+                lock_name=lock_name,
                 check_shared=self._dist.check_shared if self._dist else None,
             )
-        except BaseException:
-            self._lock.release()
-            raise
-        self._tiers = TierSet(
-            tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._inflight.pinned
-        )
-        self._save_tier: Tier = self._tiers.fastest
-        self._committer: Committer = self._commit_local
+            undo.callback(release_locks, tiers)
+            self._tiers = TierSet(
+                tiers,
+                journal=self.journal,
+                promotion=self._promotion,
+                extra_pins=self._inflight.pinned,
+            )
+            undo.callback(self._tiers.promoter.stop)
+            self._start_runtime(incremental)
+            undo.callback(self._stop_threads)
+            self._marker = RunMarker(
+                self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
+            )
+            self._marker.start(self.store, self.save_policy)
+            self._preempt: Preemption | None = None
+            if handle_sigterm:  # see engine/preempt.py
+                self._preempt = Preemption(
+                    grace_period_s=grace_period_s,
+                    emergency_save=emergency_save,
+                    journal=self.journal,
+                )
+                self._preempt.follows = self._dist is not None and self.rank != 0
+                self._preempt.install()
+            undo.pop_all()
+        self._closed = False
+        exits.track(self)
+
+    def _start_runtime(self, incremental: bool) -> None:
         self._pool = StagingPool(
             budget_bytes=self.options.host_memory_budget_bytes, chunk_bytes=self.options.chunk_bytes
         )
@@ -136,24 +168,18 @@ class Checkpointer:
         self._workers = ThreadPoolExecutor(
             self.options.workers, thread_name_prefix="flashckpt-persist"
         )
+        # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
         self._fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self._fingerprinter = Fingerprinter() if incremental else None
         self._gate = StepGate(self._inflight.wait_staged)
-        self._closed = False
         self.last_step: int | None = None
-        self.save_policy = as_save_policy(save_policy)
         self._meter = RunMeter()
-        self._marker = RunMarker(
-            self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
-        )
-        self._marker.start(self.store, self.save_policy)
-        self._preempt: Preemption | None = None
-        if handle_sigterm:  # see engine/preempt.py
-            self._preempt = Preemption(
-                grace_period_s=grace_period_s, emergency_save=emergency_save, journal=self.journal
-            )
-            self._preempt.follows = self._dist is not None and self.rank != 0
-            self._preempt.install()
+        self._damaged: set[int] = set()  # steps restore() found damaged in every tier
+
+    def _stop_threads(self) -> None:
+        self._gate.remove()
+        self._stager.shutdown(wait=True)
+        self._workers.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -168,12 +194,11 @@ class Checkpointer:
         if self._preempt is not None and self._preempt.triggered:  # SIGTERM: bounded final work
             self._preempt.final_save(self, step=None, state=None)
         self._closed = True
+        exits.untrack(self)
         try:
             self._wait_current()
         finally:
-            self._gate.remove()
-            self._stager.shutdown(wait=True)
-            self._workers.shutdown(wait=True)
+            self._stop_threads()
             p = self._preempt
             preempted = p is not None and p.signal_t is not None
             self._tiers.close(p.time_left() if p and preempted else self._promotion.close_timeout_s)
@@ -182,6 +207,19 @@ class Checkpointer:
             self._marker.end(self.last_step)
             self._lock.release()
         self._raise_pending()
+
+    def at_exit(self, wait_s: float) -> None:
+        """The process is exiting without ``close()`` (engine/exit.py): finish the save in
+        flight, or journal and log that it was abandoned. Locks die with the process."""
+        if self._closed:
+            return
+        if exits.finish_in_flight(self._inflight, self.journal, wait_s):
+            self._stager.submit(lambda: None).result()  # its durable callback has run
+            self._tiers.promoter.drain(self._promotion.close_timeout_s)
+
+    def has_step(self, step: int) -> bool:
+        """True when ``step`` is committed in any tier (a step is saved once: see save())."""
+        return bool(holding(self._tiers.tiers, step))
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is durable; raise its error."""
@@ -207,43 +245,12 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Call once per training step with the step just completed: True when the save policy
         (``save_policy=``) says this step should be saved. Measures step time as it goes."""
-        if self.save_policy is None:
-            raise ConfigError(
-                "should_save() needs a save policy: Checkpointer(..., save_policy=100) saves every "
-                "100 steps; flashckpt.policy.Auto(mtbf_s=...) picks the interval from measurements"
-            )
-        policy, preempt = self.save_policy, self._preempt
-        # under torch.distributed, rank 0 decides whenever the ranks could disagree: clock-based
-        # policies, and preemption (each rank receives SIGTERM at its own step)
-        agree = self._dist is not None and (preempt is not None or not step_based(policy))
-        if not agree and preempt is not None and preempt.at_should_save(self, step):
-            return True
-        now = time.time()
-        self._marker.tick(step)
-        step_time = self._meter.tick(step, now)
-        if step_time is not None and self._meter.journal_due():
-            self.journal.append("step_time", step=step, seconds=step_time)
-        stats = self._meter.stats(step, now)
-        if agree and self._dist is not None:
-            if preempt is not None:
-                preempt.last_step = step
-            stop = preempt is not None and preempt.triggered  # only rank 0's counts
-            verdict = self._dist.verdict(step, stop=stop, save=lambda: policy.should_save(stats))
-            if verdict == "preempt" and preempt is not None:
-                return preempt.follow(self, step)
-            decision = verdict == "save"
-        else:
-            decision = policy.should_save(stats)
-        info = policy.take_decision()
-        if info:
-            self.journal.append("interval", **info)
-        return decision
+        return decide(self, step, self._meter, self._marker, self._dist, self._preempt)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        check_step(step)
         if self._preempt is not None:
             self._preempt.at_save(self, step, state)
         if self._dist is None:
@@ -265,40 +272,42 @@ class Checkpointer:
                 return self._skipped(step)
             self._inflight.wait_durable()  # counted in this save's blocking time
             self._raise_pending()
+        refuse_existing(self._tiers.tiers, step, damaged=self._damaged, journal=self.journal)
         captured = capture(state)
         if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
             self._dist.split(captured, state)
         optimizers = find_optimizers(state) if self.options.async_save else []
-        if optimizers and self.options.overlap:
+        overlap = bool(optimizers) and self.options.overlap
+        if overlap:
             copy_unprotected(captured, protected_pointers(optimizers))
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
         self._meter.saved(step, time.time())
-        job = self._job(handle, captured)
+        job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
         self.journal.append("save_start", step=step)
         if self.options.async_save:
-            self._run_async(job, handle, wait_staged=not (optimizers and self.options.overlap))
+            self._run_async(job, handle, wait_staged=not overlap)
             self._gate.install(optimizers)
         else:
             job.run()
-            handle.error_delivered = True  # a synchronous save raises right here
+            handle.delivered = True  # a synchronous save raises right here
             self._finish(handle, job)
         handle.add_blocking(time.perf_counter() - t0)
         self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
         if not self.options.async_save:
-            exc = handle.durable.exception()
+            exc = failure(handle.durable)
             if exc is not None:
                 raise as_save_error(exc, handle.step)
         return handle
 
-    def _job(self, handle: SaveHandle, captured: Captured) -> SaveJob:
+    def _job(self, handle: SaveHandle, captured: Captured, guard: MutationGuard | None) -> SaveJob:
         if self._dist is not None:  # rank 0 picks the tier of every rank (dist/attempt.py)
-            self._save_tier = self._dist.tier(self._tiers, captured.nbytes)
+            tier = self._dist.tier(self._tiers, captured.nbytes)
         else:
-            self._save_tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
+            tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
         chunks, ctx = build_context(
             captured,
             self.options,
-            store=self._save_tier.store,
+            store=tier.store,
             pool=self._pool,
             workers=self._workers,
             fingerprinter=self._fingerprinter,
@@ -306,24 +315,20 @@ class Checkpointer:
             rank=self.rank,
             world_size=self.world_size,
         )
-        if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
-            retain = lambda: self._retain(handle.step)  # noqa: E731
-            return self._dist.job(
-                retain=retain, ctx=ctx, handle=handle, captured=captured, chunks=chunks
-            )
-        return SaveJob(
-            ctx=ctx, handle=handle, captured=captured, chunks=chunks, committer=self._committer
+        common: dict[str, Any] = dict(
+            ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard
         )
+        if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
+            retain = lambda: self._retain(handle.step, tier)  # noqa: E731
+            return self._dist.job(retain=retain, **common)
+        return SaveJob(**common)
 
     def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
         self._inflight.start(handle, job)
         handle.durable.add_done_callback(lambda _f: self._finish(handle, job))
         self._stager.submit(job.run)
-        if wait_staged:
-            try:
-                handle.staged.result()
-            except BaseException:
-                pass
+        if wait_staged:  # its error is raised by the next save() or close(), not here
+            settle(handle.staged)
 
     def _skipped(self, step: int) -> SaveHandle:
         handle = SaveHandle(step=step, stats=SaveStats(step=step), skipped=True)
@@ -333,8 +338,9 @@ class Checkpointer:
         return handle
 
     def _finish(self, handle: SaveHandle, job: SaveJob) -> None:
-        """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping."""
-        exc = handle.durable.exception()
+        """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping.
+        Everything it needs comes from ``job`` (the next save may already have started)."""
+        exc = failure(handle.durable)
         if exc is not None:
             self._inflight.failed(handle, exc)
             self.journal.append("save_failed", step=handle.step, error=str(exc))
@@ -343,20 +349,18 @@ class Checkpointer:
         s = handle.stats
         self.last_step = handle.step
         self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s)
-        self.journal.append("durable", tier=self._save_tier.name, **s.durable_fields())
+        tier = job.tier if job.tier is not None else self._tiers.fastest
+        self.journal.append("durable", tier=tier.name, **s.durable_fields())
         try:
             if self._dist is None:  # distributed: rank 0 retains inside the commit
-                self._retain(handle.step, job.manifest)
+                self._retain(handle.step, tier, job.manifest)
         except FlashCkptError as exc:
             log.warning("retention after step %d failed: %s", handle.step, exc)
 
-    def _retain(self, step: int, manifest: Manifest | None = None) -> None:
+    def _retain(self, step: int, tier: Tier, manifest: Manifest | None = None) -> None:
         """Queue promotion to the slower tiers, then apply the save tier's retention + gc."""
-        self._tiers.committed(step, self._save_tier, manifest)  # None: read it back
-        self._tiers.retain(self._save_tier)
-
-    def _commit_local(self, manifest: Any, chunk_dirs: list[str]) -> None:
-        self._save_tier.store.commit(manifest, chunk_dirs=chunk_dirs)
+        self._tiers.committed(step, tier, manifest)  # None: read it back
+        self._tiers.retain(tier)
 
     def _wait_current(self) -> None:
         self._inflight.wait_durable()
@@ -373,41 +377,35 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place.
 
-        Returns the step loaded, or None when there is no checkpoint. A damaged checkpoint is
-        skipped with a warning and a journal entry when ``step`` is None; with an explicit
-        ``step`` it raises :class:`CorruptCheckpointError` naming the key and chunk.
+        Returns the step loaded, or None when there is no checkpoint (the state is then
+        untouched). A damaged checkpoint is skipped with a warning and a journal entry when
+        ``step`` is None; with an explicit ``step`` it raises :class:`CorruptCheckpointError`
+        naming the key and chunk. When no checkpoint loads after bytes already reached the
+        live state, it raises :class:`CorruptCheckpointError` saying so, never returns None.
         """
         self._check_open()
         self._wait_current()
-        holders = self._tiers.holders()  # every tier's copies, fastest first (engine/tiers.py)
-        if self._dist is not None:  # every rank loads the same step (dist/restore.py)
-            return self._dist.restore(
-                self.store,
-                self.journal,
+        attempt = Attempt()
+        try:
+            got = restore_from_tiers(
                 state,
-                step=step,
-                steps=sorted(holders),
-                load=lambda s: self._tiers.restore(
-                    s, holders.get(s, []), lambda t: self._restore_step(state, s, strict, t)
-                ),
+                step,
+                tiers=self._tiers,
+                store=self.store,
+                dist=self._dist,
+                journal=self.journal,
+                strict=strict,
+                rank=self.rank,
+                readers=self.options.readers,
+                attempt=attempt,
             )
-        return restore_newest(
-            holders,
-            step,
-            lambda s, t: self._restore_step(state, s, strict, t),
-            self._tiers.restore,
-        )
+        finally:  # a step damaged in every tier may be saved again (engine/steps.py)
+            self._damaged |= attempt.damaged
+        if got is not None:
+            self._restored(got)
+        return got
 
-    def _restore_step(self, state: Mapping[str, Any], step: int, strict: bool, tier: Tier) -> None:
-        load_step(
-            state,
-            step,
-            tier,
-            strict=strict,
-            rank=self.rank,
-            readers=self.options.readers,
-            journal=self.journal,
-        )
+    def _restored(self, step: int) -> None:
         self.last_step = step
         self._meter.saved(step, time.time())
         self._marker.restored(step)

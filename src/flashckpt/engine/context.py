@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from flashckpt.engine import device as devices
+from flashckpt.engine.device import DeviceOps
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.layout import ChunkPlan, plan_chunks
 from flashckpt.engine.options import Options
@@ -33,6 +33,7 @@ class SaveContext:
     rank: int = 0
     world_size: int = 1
     cuda_event: Any = None  # recorded on the training stream at save()
+    device: DeviceOps = field(default_factory=devices.current)
 
 
 def build_context(
@@ -52,22 +53,22 @@ def build_context(
     synchronous CPU save persists straight from the live tensors."""
     from flashckpt import __version__
 
+    ops = devices.current()
     chunks = plan_chunks(
         captured.items,
         chunk_bytes=o.chunk_bytes,
         pack_bytes=min(o.pack_bytes, o.chunk_bytes),
         pack_threshold_bytes=min(o.pack_threshold_bytes, o.chunk_bytes),
         itemsizes=[itemsize(i.kind, i.dtype) for i in captured.items],
+        device_of=ops.device_of,
     )
     on_device = any(c.device != "cpu" for c in chunks)
     use_pool = o.async_save or on_device
     if use_pool:
         needed = sum(aligned(c.size) for c in chunks)
-        pool.reserve(needed_bytes=needed, pin=on_device and torch.cuda.is_available())
-    event = None
-    if on_device:  # staging on a side stream must wait for work queued before save()
-        event = torch.cuda.Event()
-        event.record()
+        pool.reserve(needed_bytes=needed, pin=on_device and ops.available())
+    # staging on a side stream must wait for work queued before save()
+    event = ops.event() if on_device else None
     ctx = SaveContext(
         store=store,
         pool=pool if use_pool else None,
@@ -80,5 +81,6 @@ def build_context(
         rank=rank,
         world_size=world_size,
         cuda_event=event,
+        device=ops,
     )
     return chunks, ctx

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,44 @@ def as_save_error(exc: BaseException, step: int) -> BaseException:
     err = SaveError(f"checkpoint step {step} failed: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
+
+
+class Outcome(Future[Any]):
+    """A save's future that remembers whether the caller has seen its error.
+
+    ``result()`` raising or ``exception()`` returning the error counts as delivered, so the
+    next ``save()`` or ``close()`` does not raise it a second time. The engine itself waits
+    through :func:`settle` / :func:`failure`, which do not count.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observed = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except FutureTimeout:
+            raise
+        except BaseException:
+            self.observed = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        if exc is not None:
+            self.observed = True
+        return exc
+
+
+def settle(fut: Future[Any], timeout: float | None = None) -> None:
+    """Wait until ``fut`` is done without raising or marking its error delivered."""
+    Future.exception(fut, timeout)
+
+
+def failure(fut: Future[Any]) -> BaseException | None:
+    """The error of a done ``fut`` (not counted as delivered)."""
+    return Future.exception(fut, 0)
 
 
 @dataclass(kw_only=True)
@@ -65,10 +104,10 @@ class SaveHandle:
 
     step: int
     stats: SaveStats
-    staged: Future[SaveStats] = field(default_factory=Future)
-    durable: Future[SaveStats] = field(default_factory=Future)
+    staged: Future[SaveStats] = field(default_factory=Outcome)
+    durable: Future[SaveStats] = field(default_factory=Outcome)
     skipped: bool = False
-    error_delivered: bool = False
+    delivered: bool = False  # set when save()/wait() raised the error
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -83,14 +122,18 @@ class SaveHandle:
         with self._lock:
             self.stats.blocking_s += seconds
 
+    @property
+    def error_delivered(self) -> bool:
+        """True once the caller saw this save's error (``wait()``, ``durable.result()``,
+        ``staged.result()``, ``.exception()``, or the ``save()`` that raised it)."""
+        return self.delivered or any(
+            isinstance(f, Outcome) and f.observed for f in (self.staged, self.durable)
+        )
+
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until durable; re-raises the save's error (which then counts as delivered and
         is not raised again by the next ``save()`` or ``close()``)."""
-        try:
-            return self.durable.result(timeout)
-        except BaseException:
-            self.error_delivered = True
-            raise
+        return self.durable.result(timeout)
 
     def done(self) -> bool:
         return self.durable.done()

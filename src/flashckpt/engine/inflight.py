@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from flashckpt.engine.handle import SaveHandle, as_save_error
+from flashckpt.engine.handle import SaveHandle, as_save_error, settle
 from flashckpt.engine.save import SaveJob
 
 
@@ -35,20 +36,25 @@ class InFlight:
         if handle is None or handle.staged.done():
             return
         t0 = time.perf_counter()
-        try:
-            handle.staged.result()
-        except BaseException:
-            pass
+        settle(handle.staged)
         handle.add_blocking(time.perf_counter() - t0)
 
     def wait_durable(self) -> None:
         """Wait for the save in flight to end, successful or not (errors: ``raise_pending``)."""
         handle = self.handle
         if handle is not None:
-            try:
-                handle.durable.result()
-            except BaseException:
-                pass
+            settle(handle.durable)
+
+    def wait_durable_for(self, timeout_s: float) -> bool:
+        """Like :meth:`wait_durable`, giving up after ``timeout_s``; True when it ended."""
+        handle = self.handle
+        if handle is None:
+            return True
+        try:
+            settle(handle.durable, timeout_s)
+        except FutureTimeout:
+            return False
+        return True
 
     def failed(self, handle: SaveHandle, exc: BaseException) -> None:
         with self._lock:
@@ -59,5 +65,5 @@ class InFlight:
         with self._lock:
             pending, self._error = self._error, None
         if pending is not None and not pending[0].error_delivered:
-            pending[0].error_delivered = True
+            pending[0].delivered = True
             raise pending[1]

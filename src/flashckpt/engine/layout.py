@@ -8,7 +8,10 @@ handful of files. Chunks never mix devices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from flashckpt.state.capture import TensorItem
 
@@ -35,12 +38,13 @@ def plan_chunks(
     pack_bytes: int,
     pack_threshold_bytes: int,
     itemsizes: list[int],
+    device_of: Callable[[torch.Tensor], str] = lambda t: str(t.device),
 ) -> list[ChunkPlan]:
     chunks: list[ChunkPlan] = []
     packs: dict[str, ChunkPlan] = {}
     for idx, item in enumerate(items):
         n = item.nbytes
-        dev = str(item.data.device)
+        dev = device_of(item.data)
         if n < pack_threshold_bytes:
             pack = packs.get(dev)
             if pack is None or pack.size + n > pack_bytes:

@@ -1,4 +1,10 @@
-"""Load one committed step from one tier into the live state (the restore path)."""
+"""Load one committed step from one tier into the live state (the restore path).
+
+From the caller's view a restore is all or nothing: :class:`Attempt` records when bytes of a
+checkpoint first reached the live state; if no checkpoint then loads completely, the restore
+raises a :class:`CorruptCheckpointError` saying the state was partly overwritten, instead of
+returning None (``start = ckpt.restore(state) or 0`` would train on half-loaded weights).
+"""
 
 from __future__ import annotations
 
@@ -6,40 +12,76 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flashckpt.engine.reader import read_plan
-from flashckpt.engine.tiers import Tier
 from flashckpt.errors import CorruptCheckpointError, StorageError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import RestorePlan, plan_restore
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore, chunk_path
 
+if TYPE_CHECKING:
+    from flashckpt.dist.runtime import DistRuntime
+    from flashckpt.engine.tiers import Tier, TierSet
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """One ``restore()`` call: which step first wrote into the live state (None: none did)."""
+
+    touched: int | None = None
+    damaged: set[int] = field(default_factory=set)  # steps whose every copy failed to verify
+
+    def fail(self, exc: BaseException | None = None) -> CorruptCheckpointError:
+        """The error of a restore that loaded nothing after touching the live state."""
+        why = f" ({exc})" if exc is not None else ""
+        return CorruptCheckpointError(
+            f"no valid checkpoint could be loaded{why}, and loading step {self.touched} had "
+            "already written into the live state: it is partly overwritten. Do not train on "
+            "it: re-create the model and optimizer (fresh start) or restore an older step "
+            "with restore(state, step=N)",
+            step=getattr(exc, "step", None) or self.touched,
+            key=getattr(exc, "key", None),
+            chunk=getattr(exc, "chunk", None),
+        )
+
 
 def load_step(
     state: Mapping[str, Any],
     step: int,
-    tier: Tier,
+    store: CheckpointStore,
     *,
+    tier_name: str,
     strict: bool,
     rank: int,
     readers: int,
-    journal: Journal,
+    journal: Journal | None,
+    attempt: Attempt,
 ) -> None:
     """Validate the manifest, match it to ``state`` (mismatches raise before any byte is read),
     read and verify the chunks in parallel straight into the targets, hand them over."""
     t0 = time.perf_counter()
-    manifest = tier.store.load_manifest(step)
+    manifest = store.load_manifest(step)
     plan = plan_restore(state, manifest, strict=strict, rank=rank)
-    check_chunks_present(tier.store, manifest, plan)
+    check_chunks_present(store, manifest, plan)
+    if attempt.touched is None:
+        attempt.touched = step  # from here on, bytes land in the live tensors
     with ThreadPoolExecutor(readers, thread_name_prefix="flashckpt-read") as ex:
-        loaded = read_plan(tier.store, manifest, plan, ex)
+        loaded = read_plan(store, manifest, plan, ex)
     plan.finish(loaded)
-    journal.append(
-        "restore", step=step, tier=tier.name, seconds=time.perf_counter() - t0, bytes=plan.nbytes
-    )
+    if journal is not None:
+        journal.append(
+            "restore",
+            step=step,
+            tier=tier_name,
+            seconds=time.perf_counter() - t0,
+            bytes=plan.nbytes,
+        )
 
 
 def check_chunks_present(store: CheckpointStore, manifest: Manifest, plan: RestorePlan) -> None:
@@ -71,20 +113,79 @@ def check_chunks_present(store: CheckpointStore, manifest: Manifest, plan: Resto
 
 
 def restore_newest(
-    holders: Mapping[int, list[Tier]],
+    holders: Mapping[int, list[T]],
     step: int | None,
-    load: Callable[[int, Tier], None],
-    across_tiers: Callable[[int, list[Tier], Callable[[Tier], None]], object],
+    load: Callable[[int, T], None],
+    across_tiers: Callable[[int, list[T], Callable[[T], None]], object],
+    attempt: Attempt,
 ) -> int | None:
     """Load ``step`` (errors propagate), or the newest step whose copies load (damaged ones are
-    skipped with a warning); ``across_tiers`` tries a step's copies fastest tier first."""
+    skipped with a warning); ``across_tiers`` tries a step's copies fastest tier first. None
+    only when nothing was loaded and the live state is untouched (see :class:`Attempt`)."""
     if step is not None:
-        across_tiers(step, list(holders.get(step, [])), partial(load, step))
+        try:
+            across_tiers(step, list(holders.get(step, [])), partial(load, step))
+        except (CorruptCheckpointError, StorageError) as exc:
+            if attempt.touched is None:
+                raise
+            raise attempt.fail(exc) from exc
         return step
+    last: BaseException | None = None
     for candidate in sorted(holders, reverse=True):
         try:
             across_tiers(candidate, list(holders[candidate]), partial(load, candidate))
             return candidate
         except (CorruptCheckpointError, StorageError) as exc:
+            last = exc
+            if isinstance(exc, CorruptCheckpointError):
+                attempt.damaged.add(candidate)
             warnings.warn(f"skipping damaged checkpoint step {candidate}: {exc}", stacklevel=3)
+    if attempt.touched is not None:
+        raise attempt.fail(last) from last
     return None
+
+
+def restore_from_tiers(
+    state: Mapping[str, Any],
+    step: int | None,
+    *,
+    tiers: TierSet,
+    store: CheckpointStore,
+    dist: DistRuntime | None,
+    journal: Journal,
+    strict: bool,
+    rank: int,
+    readers: int,
+    attempt: Attempt,
+) -> int | None:
+    """The Checkpointer's restore: the newest valid step (or ``step``) of any tier, each step's
+    copies tried fastest tier first; under torch.distributed every rank loads the same step
+    (``store``: the root's own store, where the ranks agree)."""
+    holders = tiers.holders()  # every tier's copies, fastest first (engine/tiers.py)
+
+    def load(s: int, t: Tier) -> None:
+        load_step(
+            state,
+            s,
+            t.store,
+            tier_name=t.name,
+            strict=strict,
+            rank=rank,
+            readers=readers,
+            journal=journal,
+            attempt=attempt,
+        )
+
+    if dist is None:
+        return restore_newest(holders, step, load, tiers.restore, attempt)
+    got = dist.restore(  # every rank loads the same step (dist/restore.py)
+        store,
+        journal,
+        state,
+        step=step,
+        steps=sorted(holders),
+        load=lambda s: tiers.restore(s, holders.get(s, []), partial(load, s)),
+    )
+    if got is None and attempt.touched is not None:
+        raise attempt.fail()
+    return got

@@ -64,3 +64,19 @@ class Options:
     @property
     def readers(self) -> int:
         return self.read_workers or max(2, min(8, (os.cpu_count() or 2) * 2))
+
+
+MAX_STEP = 10**15 - 1
+"""The largest step a manifest name can hold (``steps/<at most 15 digits>.json``)."""
+
+
+def check_step(step: object) -> int:
+    """``step`` when it is an int in 0..MAX_STEP, else a ConfigError saying why."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be an int >= 0, got {step!r}")
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step {step} is too large: checkpoint steps go up to {MAX_STEP} (15 digits); "
+            "count optimizer steps, not samples or tokens"
+        )
+    return step

@@ -184,6 +184,11 @@ class Preemption:
             state = self.emergency_state()
         if state is None or step is None or step == ckpt.last_step:
             return None
+        if ckpt.has_step(step):  # committed already (restored, or saved by an earlier run)
+            log.info(
+                "final save after SIGTERM: step %d is already committed; not saved again", step
+            )
+            return None
         try:
             handle = ckpt.save(step, state)
             handle.wait(timeout=max(self.time_left(), 1.0))

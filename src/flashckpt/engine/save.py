@@ -17,21 +17,26 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
+from flashckpt.engine.hooks import MutationGuard
 from flashckpt.engine.layout import ChunkPlan
+from flashckpt.engine.manifests import job_manifest
 from flashckpt.engine.staging import StagingPool
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import FlashCkptError, SaveError
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
 from flashckpt.store.gc import collect_garbage
-from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
+from flashckpt.store.manifest import ChunkRef, Manifest
 from flashckpt.store.pins import Window
+
+if TYPE_CHECKING:
+    from flashckpt.engine.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,11 @@ class _Progress:
 class SaveJob:
     """One save on its staging thread: :meth:`run` stages, persists and commits.
 
+    Everything about one save lives here, never on the Checkpointer: the ``tier`` it commits
+    to, the chunks it pins (:attr:`pinned_hashes`), its ``manifest`` once durable, the device
+    fingerprints it observed (published to the shared table only after its commit), and the
+    ``guard`` that fails it when a protected tensor changed before staging finished.
+
     Extension points for a commit protocol (``dist/commit.py`` uses them): :meth:`build_manifest`
     (what this rank commits), :meth:`agree_failure` (turn a local failure into the error every
     participant reports) and :meth:`cleanup_after_failure` (remove what the failed save wrote).
@@ -66,13 +76,19 @@ class SaveJob:
         handle: SaveHandle,
         captured: Captured,
         chunks: list[ChunkPlan],
-        committer: Committer,
+        committer: Committer | None = None,
+        tier: Tier | None = None,
+        guard: MutationGuard | None = None,
     ) -> None:
         self.ctx = ctx
+        self.tier = tier
         self.handle = handle
         self.captured = captured
         self.chunks = chunks
-        self.committer = committer
+        self.committer = committer if committer is not None else self._commit_to_store
+        self.guard = guard
+        # device fingerprints seen by this save; become the shared table only once committed
+        self._new_fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self.hashes: list[str] = [""] * len(chunks)
         self._p = _Progress()
         self._stream: Any = None
@@ -89,6 +105,8 @@ class SaveJob:
         stats = self.handle.stats
         try:
             self._stage_all()
+            if self.guard is not None:
+                self.guard.check(self.handle.step)
             stats.staged_s = time.perf_counter() - self.t0
             self.handle.staged.set_result(stats)
             self._flush()
@@ -99,6 +117,7 @@ class SaveJob:
             self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
             self.release_pins()
             self.manifest = manifest
+            self.ctx.fingerprints.update(self._new_fingerprints)
             stats.background_s = time.perf_counter() - self.t0
             self.handle.durable.set_result(stats)
         except BaseException as exc:
@@ -142,18 +161,22 @@ class SaveJob:
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=parts[0].device)
+            self._stream = self.ctx.device.stream(parts[0].device)
             if self.ctx.cuda_event is not None:
                 self._stream.wait_event(self.ctx.cuda_event)
         region = tuple((self.captured.items[p.item].key, p.start, p.length) for p in chunk.pieces)
-        fp = None
-        with torch.cuda.stream(self._stream):
+        fp, expect = None, None
+        with self.ctx.device.use(self._stream):
             if self.ctx.fingerprinter is not None:
                 data = parts[0] if len(parts) == 1 else torch.cat(parts)
                 fp = self.ctx.fingerprinter(data)
                 prev = self.ctx.fingerprints.get(region)
-                if prev is not None and prev[0] == fp and self._reuse(ci, prev[1], chunk.size):
-                    return
+                if prev is not None and prev[0] == fp:
+                    if self._reuse(ci, prev[1], chunk.size):
+                        return
+                    # unchanged, but the store lacks the chunk (a failed save, gc, quarantine):
+                    # it is now claimed by this save, which must write it
+                    expect = prev[1]
             pool = self._require_pool()
             slot = self._acquire(chunk.size)
             try:
@@ -168,7 +191,7 @@ class SaveJob:
                 raise
         # the chunk is on the host: staged. Hashing (GIL-bound) happens in a persist worker so
         # the optimizer hook waits only for the device-to-host copies.
-        self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp))
+        self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp, expect))
 
     def _acquire(self, nbytes: int) -> int:
         """A staging range for ``nbytes``. Staged chunks wait (deferred) until staging ends, so
@@ -239,7 +262,7 @@ class SaveJob:
         chunk: ChunkPlan,
         bufs: list[Any],
         slot: int | None,
-        fingerprint: tuple[Any, Any] | None = None,
+        fingerprint: tuple[Any, Any, str | None] | None = None,
     ) -> None:
         """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first);
         deferred until staging ends when it sits in a staging slot."""
@@ -255,7 +278,7 @@ class SaveJob:
         chunk: ChunkPlan,
         bufs: list[Any],
         slot: int | None,
-        fingerprint: tuple[Any, Any] | None = None,
+        fingerprint: tuple[Any, Any, str | None] | None = None,
     ) -> None:
         codec = codecs.choose_codec(self.ctx.compression, chunk.itemsize)
         try:
@@ -276,7 +299,7 @@ class SaveJob:
         bufs: list[Any],
         codec: str,
         slot: int | None,
-        fingerprint: tuple[Any, Any] | None,
+        fingerprint: tuple[Any, Any, str | None] | None,
     ) -> None:
         try:
             if self._p.error is not None:
@@ -284,8 +307,15 @@ class SaveJob:
             if h is None:
                 h = codecs.hash_parts(bufs)
                 if fingerprint is not None and fingerprint[1] is not None:
-                    self.ctx.fingerprints[fingerprint[0]] = (fingerprint[1], h)
-                if self._reuse(ci, h, size):
+                    self._new_fingerprints[fingerprint[0]] = (fingerprint[1], h)
+                expect = fingerprint[2] if fingerprint is not None else None
+                if expect is not None and h != expect:
+                    raise SaveError(
+                        f"checkpoint step {self.handle.step}: chunk {ci} has an unchanged device "
+                        f"fingerprint but hashes to {h}, not {expect}; nothing was committed. "
+                        "Save again with incremental=False and report this"
+                    )
+                if expect is None and self._reuse(ci, h, size):
                     return
             ref = self.ctx.store.put_chunk(h, size, bufs, codec)
             with self._p.lock:
@@ -307,45 +337,20 @@ class SaveJob:
             raise err
 
     # -- commit / failure -------------------------------------------------------------------
+    def _commit_to_store(self, manifest: Manifest, chunk_dirs: list[str]) -> None:
+        """The single-rank commit: the manifest lands in this save's store, written last."""
+        self.ctx.store.commit(manifest, chunk_dirs=chunk_dirs)
+
     def build_manifest(self) -> Manifest:
         """This rank's manifest of the save, once every chunk is durable."""
-        order: dict[str, int] = {}
-        chunks: list[ChunkRef] = []
-        for h in self.hashes:
-            if h not in order:
-                order[h] = len(chunks)
-                chunks.append(self._p.refs[h])
-        extents: dict[int, list[Extent]] = {}
-        for ci, chunk in enumerate(self.chunks):
-            off = 0
-            for piece in chunk.pieces:
-                ext = Extent(chunk=order[self.hashes[ci]], offset=off, length=piece.length)
-                extents.setdefault(piece.item, []).append(ext)
-                off += piece.length
-        tensors = {}
-        for idx, item in enumerate(self.captured.items):
-            shard = Shard(
-                offset=item.global_offset,
-                shape=item.shape,
-                extents=tuple(extents.get(idx, ())),
-                rank=self.ctx.rank,
-            )
-            tensors[item.key] = TensorEntry(
-                key=item.key,
-                kind=item.kind,
-                dtype=item.dtype,
-                global_shape=item.global_shape,
-                shards=(shard,),
-            )
-        return Manifest(
+        return job_manifest(
             step=self.handle.step,
-            time_s=time.time(),
-            world_size=self.ctx.world_size,
-            tree=self.captured.tree,
-            tensors=tensors,
-            chunks=chunks,
+            hashes=self.hashes,
+            refs=self._p.refs,
+            chunks=self.chunks,
+            captured=self.captured,
+            ctx=self.ctx,
             stats=self.handle.stats.as_dict(),
-            library=self.ctx.library,
         )
 
     def _fail(self, exc: BaseException) -> None:

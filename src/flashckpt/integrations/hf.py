@@ -128,7 +128,14 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
         step = int(state.global_step)
         if step == self._last_saved:
             return  # already saved (a step end followed by the epoch end)
-        self.checkpointer().save(step, self.training_state(state, control, kw))
+        ckpt = self.checkpointer()
+        if ckpt.has_step(step):  # committed by an earlier run: a step is saved once
+            log.info(
+                "flashckpt: Trainer step %d is already in %s; not saved again", step, self.root
+            )
+            self._last_saved = step
+            return
+        ckpt.save(step, self.training_state(state, control, kw))
         self._last_saved = step
         log.info("flashckpt: saved Trainer step %d to %s", step, self.root)
 

@@ -88,7 +88,11 @@ class FlashCkptIO(CheckpointIO):  # type: ignore[misc]
         target = pathlib.Path(path)
         root = self._root_for(target)
         step = int(checkpoint.get("global_step", 0))
-        self._checkpointer(root).save(step, split_checkpoint(checkpoint))
+        ckpt = self._checkpointer(root)
+        if ckpt.has_step(step):  # a step is saved once (e.g. epoch end and validation end)
+            log.info("flashckpt: step %d is already committed in %s; not saved again", step, root)
+        else:
+            ckpt.save(step, split_checkpoint(checkpoint))
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps({POINTER_KEY: str(root.absolute()), "step": step}))

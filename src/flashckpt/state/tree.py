@@ -63,8 +63,8 @@ class Encoder:
             return {"__t__": self._leaf(path, obj)}
         if isinstance(obj, np.ndarray):
             return {"__np__": self._leaf(path, obj)}
-        if isinstance(obj, np.generic):
-            return {"__npscalar__": obj.dtype.str, "v": obj.item()}
+        if isinstance(obj, np.generic):  # the value encoded like any other (nan, bytes, ...)
+            return {"__npscalar__": obj.dtype.str, "v": self.encode(obj.item(), path, depth + 1)}
         if isinstance(obj, (bytes, bytearray)):
             return self._bytes(obj, path)
         if isinstance(obj, (list, tuple)):
@@ -150,7 +150,7 @@ def decode_tree(node: Any, lookup: TensorLookup, depth: int = 0) -> Any:
         if tag == "__bytes__" and isinstance(val, str):
             return _decode_hex(val)
     if set(node) == {"__npscalar__", "v"}:
-        return _decode_npscalar(node)
+        return _decode_npscalar(node, depth)
     return {k: decode_tree(v, lookup, depth + 1) for k, v in node.items()}
 
 
@@ -175,11 +175,19 @@ def _decode_hex(val: str) -> bytes:
         raise ManifestError("malformed __bytes__ value in state tree") from exc
 
 
-def _decode_npscalar(node: dict[str, Any]) -> Any:
+def _decode_npscalar(node: dict[str, Any], depth: int) -> Any:
     from flashckpt.store.dtypes import numpy_dtype
 
     dtype = numpy_dtype(node["__npscalar__"])
-    return dtype.type(node["v"])
+    value = decode_tree(node["v"], _no_tensors, depth + 1)
+    try:
+        return dtype.type(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ManifestError(f"malformed NumPy scalar in state tree: {node!r}") from exc
+
+
+def _no_tensors(kind: str, key: str) -> Any:
+    raise ManifestError(f"a NumPy scalar in the state tree refers to tensor {key!r}")
 
 
 def tensor_refs(node: Any, depth: int = 0) -> list[tuple[str, str]]:

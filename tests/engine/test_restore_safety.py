@@ -162,3 +162,29 @@ def test_step_restore_found_damaged_can_be_saved_again_after_the_fallback(tmp_pa
         warnings.simplefilter("error")
         assert flashckpt.restore(tmp_path, out) == 2
     assert torch.equal(out["a"], torch.full((N,), 2.5))
+
+
+def test_newest_step_deleted_while_read_falls_back_without_calling_it_damaged() -> None:
+    """A step that retention deleted while it was being read (TierSet.restore raises
+    NoCheckpointError "not damage") is skipped: the next older step loads, no damage warning,
+    and the step is not recorded as damaged (it may not be re-saved as a replacement)."""
+    import warnings as _warnings
+
+    from flashckpt.engine.load import Attempt, restore_newest
+    from flashckpt.errors import NoCheckpointError
+
+    loaded: list[int] = []
+
+    def across(step: int, tiers: list[str], load: object) -> None:
+        if step == 7:
+            raise NoCheckpointError("step 7 was deleted by retention while it was read")
+        loaded.append(step)
+
+    attempt = Attempt()
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        got = restore_newest(
+            {5: ["memory"], 7: ["memory"]}, None, lambda s, t: None, across, attempt
+        )
+    assert got == 5 and loaded == [5]
+    assert attempt.damaged == set()

@@ -17,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flashckpt.engine.reader import read_plan
-from flashckpt.errors import CorruptCheckpointError, StorageError
+from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import RestorePlan, plan_restore
 from flashckpt.store.manifest import Manifest
@@ -135,6 +135,8 @@ def restore_newest(
         try:
             across_tiers(candidate, list(holders[candidate]), partial(load, candidate))
             return candidate
+        except NoCheckpointError as exc:  # retention deleted it while it was read: not damage
+            last = exc
         except (CorruptCheckpointError, StorageError) as exc:
             last = exc
             if isinstance(exc, CorruptCheckpointError):

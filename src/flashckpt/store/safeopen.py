@@ -209,11 +209,16 @@ def write_file_atomic(
         finally:
             os.close(fd)
         replace_in(dfd, tmp, name)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp, dir_fd=dfd)
         except OSError:
             pass
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise StorageError(
+                f"cannot write {Path(base) / rel}: {exc.strerror or exc}; if it is a directory "
+                "or not writable, remove it or fix its permissions"
+            ) from None
         raise
     finally:
         os.close(dfd)

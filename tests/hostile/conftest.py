@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 import flashckpt
 from hostile.util import small_state

@@ -172,7 +172,7 @@ def test_open_nofollow_refuses_non_regular_files(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(flashckpt.CorruptCheckpointError, match="FIFO"):
         safeopen.open_nofollow(tmp_path, "fifo", os.O_RDONLY)
-    with pytest.raises(flashckpt.CorruptCheckpointError, match="FIFO|socket"):
+    with pytest.raises(flashckpt.CorruptCheckpointError, match=r"FIFO|socket"):
         safeopen.open_nofollow(tmp_path, "fifo", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     (tmp_path / "d").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "d")

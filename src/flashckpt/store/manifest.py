@@ -18,7 +18,7 @@ from typing import Any
 
 from flashckpt.errors import ManifestError
 from flashckpt.store.dtypes import itemsize
-from flashckpt.store.jsonfile import load_json
+from flashckpt.store.jsonfile import depth_of, load_json
 from flashckpt.store.tiling import check_tiling
 
 FORMAT = "flashckpt"
@@ -176,7 +176,11 @@ def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) 
     extents inside their chunks, shards that never overlap and, for a ``whole`` manifest (not a
     rank's part), tile each tensor exactly, and a state tree no deeper than restore decodes.
     """
-    doc = load_json(data, where=where, max_bytes=MAX_MANIFEST_BYTES, error=ManifestError)
+    # the depth of the free-form parts (tree, rank_trees, stats) is checked below; the rest
+    # has a fixed shape that _parse_doc type-checks, so no generic walk over every extent
+    doc = load_json(
+        data, where=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=None, error=ManifestError
+    )
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a flashckpt manifest")
     if doc.get("version") != VERSION:
@@ -218,7 +222,7 @@ def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
         rank_trees=rank_trees,
         tensors=tensors,
         chunks=chunks,
-        stats=doc.get("stats", {}) if isinstance(doc.get("stats"), dict) else {},
+        stats=_stats(doc.get("stats")),
         library=str(doc.get("library", "")),
     )
 
@@ -237,6 +241,11 @@ def _parse_chunk(c: Any, where: str) -> ChunkRef:
         codec=codec,
         stored_size=_int(stored, "chunk stored size", 0, MAX_CHUNK_BYTES, where),
     )
+
+
+def _stats(stats: Any) -> dict[str, Any]:
+    """Informational numbers: kept only when they are a shallow object."""
+    return stats if isinstance(stats, dict) and depth_of(stats, limit=8) <= 8 else {}
 
 
 def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:

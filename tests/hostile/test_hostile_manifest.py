@@ -107,11 +107,11 @@ def test_too_deep_tree_fails_verify_exactly_like_restore(two_steps):
             ckpt.restore(small_state(), step=2)
 
 
-def test_deepest_tree_save_accepts_still_restores(tmp_path):
-    """No false positive: a tree as deep as save allows, mixing lists, tuples, int-keyed dicts."""
+def test_deep_tree_that_restore_accepts_passes_verify(tmp_path):
+    """No false positive: a tree nested almost as deep as restore allows."""
     node: object = torch.ones(2)
-    for i in range(195):
-        node = [node] if i % 3 == 0 else (node,) if i % 3 == 1 else {i: node}
+    for _ in range(198):
+        node = [node]
     with flashckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, {"deep": {"x": node}})
     assert _verify_ok(tmp_path, 1)

@@ -249,9 +249,11 @@ def _stats(stats: Any) -> dict[str, Any]:
 
 
 def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
-    """Refuse a tree that ``state.tree.decode_tree`` would refuse (a value deeper than
-    ``MAX_TREE_DEPTH`` by its counting), without recursion, so ``verify`` fails exactly where
-    ``restore`` would."""
+    """Refuse a tree that restore would refuse, without recursion, so ``verify`` fails exactly
+    where ``restore`` would. Restore walks the tree twice (``state.tree.tensor_refs``, then
+    ``decode_tree``); the first is the stricter count: every list or object is one level, a
+    tensor leaf ``{"__t__": key}`` is not descended into, and no value may sit deeper than
+    ``MAX_TREE_DEPTH``."""
     stack: list[tuple[Any, int]] = [(node, start)]
     while stack:
         n, d = stack.pop()
@@ -259,26 +261,8 @@ def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
             raise ManifestError(f"{where} is nested deeper than {MAX_TREE_DEPTH}")
         if isinstance(n, list):
             stack.extend((v, d + 1) for v in n)
-            continue
-        if not isinstance(n, dict):
-            continue
-        if len(n) == 1:
-            ((tag, val),) = n.items()
-            if tag in ("__t__", "__np__", "__bytes__") and isinstance(val, str):
-                continue
-            if tag == "__float__" and val in ("nan", "inf", "-inf"):
-                continue
-            if tag == "__tuple__" and isinstance(val, list):
-                stack.extend((v, d + 1) for v in val)
-                continue
-            if tag == "__dict__" and isinstance(val, list):
-                for pair in val:
-                    if isinstance(pair, list):
-                        stack.extend((v, d + 1) for v in pair)
-                continue
-        if set(n) == {"__npscalar__", "v"}:
-            continue
-        stack.extend((v, d + 1) for v in n.values())
+        elif isinstance(n, dict) and not (len(n) == 1 and ("__t__" in n or "__np__" in n)):
+            stack.extend((v, d + 1) for v in n.values())
 
 
 def _parse_entry(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -116,4 +117,25 @@ def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | Non
         )
     except FlashCkptError:
         return None  # a torn line from a crash mid-append, or garbage
-    return obj if isinstance(obj.get("event"), str) else None
+    return obj if _well_typed(obj) else None
+
+
+_INT_FIELDS = ("step", "pid", "rank", "last_step", "last_trained_step", "from_step", "to_step")
+
+
+def _well_typed(obj: dict[str, Any]) -> bool:
+    """The fields every reader relies on have their documented types: ``event`` a string,
+    ``t`` a finite number, step/rank/pid fields an integer or null (a line that lies about
+    them is skipped whole rather than crashing the report or the interval policy)."""
+    t = obj.get("t")
+    if not isinstance(obj.get("event"), str) or not _is_number(t) or not math.isfinite(t):
+        return False
+    return all(_is_int_or_none(obj.get(k)) for k in _INT_FIELDS)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))

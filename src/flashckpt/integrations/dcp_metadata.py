@@ -76,7 +76,7 @@ def read_metadata(src: str | os.PathLike[str]) -> Any:
         raise ConfigError(
             f"{where} is not a readable DCP metadata file ({type(exc).__name__}: {exc})"
         ) from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", 0), dict):
         raise ConfigError(f"{where} does not hold DCP Metadata (found {type(md).__name__})")
     _check_storage(Path(src), md, where)
     return md
@@ -84,7 +84,9 @@ def read_metadata(src: str | os.PathLike[str]) -> Any:
 
 def _check_storage(src: Path, md: Any, where: Path) -> None:
     """Every data record must point into a regular file directly inside ``src``."""
-    storage = md.storage_data
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise ConfigError(f"{where}: storage_data is not a mapping")
     for info in storage.values():
@@ -102,13 +104,12 @@ def _check_storage(src: Path, md: Any, where: Path) -> None:
                 f"{length!r}), not a data file inside {src}; refusing to read it"
             )
     for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
         size = getattr(item, "size", None)
-        if size is not None and not (
-            isinstance(size, torch.Size) and all(isinstance(d, int) and d >= 0 for d in size)
-        ):
+        if not (isinstance(size, torch.Size) and all(isinstance(d, int) and d >= 0 for d in size)):
             raise ConfigError(f"{where}: entry {fqn!r} has an invalid size {size!r}")
-        props = getattr(item, "properties", None)
-        if props is not None and not isinstance(getattr(props, "dtype", None), torch.dtype):
+        if not isinstance(getattr(getattr(item, "properties", None), "dtype", None), torch.dtype):
             raise ConfigError(f"{where}: entry {fqn!r} has no torch dtype")
 
 

@@ -128,7 +128,7 @@ def _well_typed(obj: dict[str, Any]) -> bool:
     ``t`` a finite number, step/rank/pid fields an integer or null (a line that lies about
     them is skipped whole rather than crashing the report or the interval policy)."""
     t = obj.get("t")
-    if not isinstance(obj.get("event"), str) or not _is_number(t) or not math.isfinite(t):
+    if not isinstance(obj.get("event"), str) or not _is_number(t) or not math.isfinite(float(t)):
         return False
     return all(_is_int_or_none(obj.get(k)) for k in _INT_FIELDS)
 

@@ -128,13 +128,11 @@ def _well_typed(obj: dict[str, Any]) -> bool:
     ``t`` a finite number, step/rank/pid fields an integer or null (a line that lies about
     them is skipped whole rather than crashing the report or the interval policy)."""
     t = obj.get("t")
-    if not isinstance(obj.get("event"), str) or not _is_number(t) or not math.isfinite(float(t)):
+    if not isinstance(obj.get("event"), str) or not isinstance(t, (int, float)):
+        return False
+    if isinstance(t, bool) or not math.isfinite(t):
         return False
     return all(_is_int_or_none(obj.get(k)) for k in _INT_FIELDS)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _is_int_or_none(v: Any) -> bool:

@@ -34,15 +34,22 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flashckpt.errors import FlashCkptError
+from flashckpt.store import safeopen
+from flashckpt.store.jsonfile import load_object
+
 log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "journal.jsonl"
+MAX_LINE_BYTES = 1 << 20  # longer lines are skipped (no event is anywhere near this)
+MAX_LINE_DEPTH = 16
 
 
 class Journal:
@@ -60,12 +67,14 @@ class Journal:
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = safeopen.open_nofollow(
+                self.path.parent, self.path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            )
             try:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-        except OSError as exc:  # the journal must never break training
+        except (OSError, FlashCkptError) as exc:  # the journal must never break training
             log.warning("could not append to journal %s: %s", self.path, exc)
         return record
 
@@ -76,16 +85,55 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Well-formed events, oldest first. A line that is torn, too long, nested too deep, not
+    an object, or whose ``event`` is not a string is skipped; a journal that is a symlink,
+    FIFO or other non-regular file yields nothing (with a warning), so no reader hangs."""
     p = Path(path)
     if p.is_dir():
         p = p / JOURNAL_NAME
-    if not p.exists():
+    try:
+        fd = safeopen.open_nofollow(p.parent, p.name, os.O_RDONLY)
+    except FileNotFoundError:
         return
-    with open(p, "rb") as f:
-        for raw in f:
-            try:
-                obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                continue  # a torn line from a crash mid-append
-            if isinstance(obj, dict) and "event" in obj:
+    except (OSError, FlashCkptError) as exc:
+        log.warning("not reading journal %s: %s", p, exc)
+        return
+    with os.fdopen(fd, "rb") as f:
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            if len(raw) > MAX_LINE_BYTES:
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the long line
+                    raw = f.readline(MAX_LINE_BYTES)
+                continue
+            obj = parse_line(raw, where=str(p))
+            if obj is not None:
                 yield obj
+
+
+def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | None:
+    """One journal line as an event, or None when it is not a well-formed one."""
+    try:
+        obj = load_object(
+            raw, where=where, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH, allow_nan=True
+        )
+    except FlashCkptError:
+        return None  # a torn line from a crash mid-append, or garbage
+    return obj if _well_typed(obj) else None
+
+
+_INT_FIELDS = ("step", "pid", "rank", "last_step", "last_trained_step", "from_step", "to_step")
+
+
+def _well_typed(obj: dict[str, Any]) -> bool:
+    """The fields every reader relies on have their documented types: ``event`` a string,
+    ``t`` a finite number, step/rank/pid fields an integer or null (a line that lies about
+    them is skipped whole rather than crashing the report or the interval policy)."""
+    t = obj.get("t")
+    if not isinstance(obj.get("event"), str) or not isinstance(t, (int, float)):
+        return False
+    if isinstance(t, bool) or not math.isfinite(t):
+        return False
+    return all(_is_int_or_none(obj.get(k)) for k in _INT_FIELDS)
+
+
+def _is_int_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))

@@ -1,8 +1,8 @@
 """The ``flashckpt`` command line: one module per command group.
 
 Each command module exposes ``register(subparsers)``, which adds its parser(s) and sets
-``func=<callable(args) -> int>`` as the parser default. Exit codes: 0 ok, 1 a check failed
-(e.g. ``verify`` found damage), 2 bad usage or a flashckpt error.
+``func=<callable(args) -> int>`` as the parser default. Exit codes: 0 ok, 1 a check found
+damage (``verify``), 2 bad usage or any error (one line naming the path and what to do).
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FlashCkptError as exc:
         print(f"flashckpt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the command was given cannot be used: one line, not a trace
+        where = f" {exc.filename}" if exc.filename else ""
+        print(
+            f"flashckpt {args.command}: error:{where} {exc.strerror or exc}; check the path and "
+            "its permissions",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

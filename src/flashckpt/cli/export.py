@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, FlashCkptError, StorageError
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
@@ -51,21 +51,50 @@ def full_tensors(
     return dict(loaded)
 
 
+def check_output(out: Path, *, directory: bool) -> None:
+    """Refuse, before reading anything, an output the export cannot write: under a regular
+    file, onto an existing directory (file formats) or into a non-empty one (dcp)."""
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {out}: {parent} is not a directory; choose another OUT")
+    if out.is_dir() and not directory:
+        raise ConfigError(f"{out} is a directory; give a file name for OUT, e.g. {out}/model.st")
+    if out.exists() and directory and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory; --format dcp needs a directory")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from flashckpt.cli.store_cmds import open_store, pick_step
 
+    out = Path(args.out)
+    check_output(out, directory=args.format == "dcp")
     store = open_store(args.root)
     step = pick_step(store, args.step)
     tensors = full_tensors(store, store.load_manifest(step), args.prefix)
     if not tensors:
         raise ConfigError(f"step {step} has no tensors under prefix {args.prefix!r}")
-    out = Path(args.out)
+    try:
+        _write(tensors, out, args.format, step)
+    except FlashCkptError:
+        raise
+    except Exception as exc:  # OSError, safetensors' and torch's RuntimeErrors
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+        raise StorageError(
+            f"cannot write {out} ({type(exc).__name__}: {reason}); choose a writable OUT path"
+        ) from None
+    print(f"exported step {step}: {len(tensors)} tensors -> {out} ({args.format})")
+    return 0
+
+
+def _write(tensors: dict[str, torch.Tensor], out: Path, fmt: str, step: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.format == "dcp":
+    if fmt == "dcp":
         from flashckpt.integrations.interop import write_dcp
 
         write_dcp(tensors, out)
-    elif args.format == "safetensors":
+    elif fmt == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError as exc:
@@ -77,5 +106,3 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     else:
         torch.save(tensors, out)
-    print(f"exported step {step}: {len(tensors)} tensors -> {out} ({args.format})")
-    return 0

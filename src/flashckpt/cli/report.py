@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, StorageError
 from flashckpt.report.html import write_report
 from flashckpt.report.summary import load_events, summarize
 
@@ -33,7 +33,15 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.exists():
         raise ConfigError(f"ROOT {root} does not exist; pass the checkpoint root of a run")
-    out = write_report(root, output=args.output, gpu_hour_price=args.gpu_hour_price, gpus=args.gpus)
+    try:
+        out = write_report(
+            root, output=args.output, gpu_hour_price=args.gpu_hour_price, gpus=args.gpus
+        )
+    except OSError as exc:
+        raise StorageError(
+            f"cannot write the report {args.output} ({exc.strerror or exc}); pass a writable "
+            "path with -o"
+        ) from None
     s = summarize(load_events(root), gpu_hour_price=args.gpu_hour_price, gpus=args.gpus)
     note = "no journal events yet" if s.events == 0 else f"{s.saves} saves, {s.events} events"
     print(f"wrote {out} ({note})")

@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal, read_events
+from flashckpt.store import safeopen
+from flashckpt.store.jsonfile import load_object
 from flashckpt.store.store import CheckpointStore
 
 MARKER = "locks/running.json"
@@ -29,7 +32,9 @@ class RunMarker:
     (rank 0) journals crashes and lost steps, so a crash of an N-rank job counts once."""
 
     def __init__(self, root: Path, journal: Journal, *, name: str = "writer", primary: bool = True):
-        self.path = root / MARKER if name == "writer" else root / "locks" / f"running-{name}.json"
+        self.root = root
+        self.rel = MARKER if name == "writer" else f"locks/running-{name}.json"
+        self.path = root / self.rel
         self.journal = journal
         self.primary = primary
         self.crashed_at_step: int | None = None
@@ -37,21 +42,24 @@ class RunMarker:
         self._t0 = time.time()
 
     def start(self, store: CheckpointStore, save_policy: Any) -> None:
-        crashed = self.path.exists()
+        crashed = _exists(self.root, self.rel)
         if crashed and self.primary:
-            last = _read(self.path).get("step")
+            last = _read(self.root, self.rel).get("step")
             self.crashed_at_step = last if isinstance(last, int) else None
             steps = store.steps()
             self.journal.append(
                 "crash_detected",
                 last_step=steps[-1] if steps else None,
                 last_trained_step=self.crashed_at_step,
-                since_t=self.path.stat().st_mtime,
+                since_t=safeopen.lstat_in(self.root, self.rel).st_mtime,
             )
         if self.primary:
             self.journal.append("run_start", clean_previous=not crashed)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        if crashed and not safeopen.is_regular(self.root, self.rel):
+            safeopen.unlink_nofollow(self.root, self.rel)  # a planted link/FIFO: drop, not follow
+        self._fd = safeopen.open_nofollow(
+            self.root, self.rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True
+        )
         self.tick(None)
         observe = getattr(save_policy, "observe_history", None)
         if observe is not None:
@@ -75,12 +83,23 @@ class RunMarker:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self.path.unlink(missing_ok=True)
+        safeopen.unlink_nofollow(self.root, self.rel)
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _exists(root: Path, rel: str) -> bool:
+    """Whether a marker entry is there at all (a planted link or FIFO counts: it is replaced)."""
     try:
-        doc = json.loads(path.read_text().strip() or "{}")
-    except (OSError, ValueError):
+        safeopen.lstat_in(root, rel)
+    except (OSError, FlashCkptError):
+        return False
+    return True
+
+
+def _read(root: Path, rel: str) -> dict[str, Any]:
+    """The previous run's marker record; {} when it is unreadable, not a regular file, or not
+    a small flat JSON object (it is only a hint about the crashed run's last step)."""
+    try:
+        data = safeopen.read_file(root, rel, max_bytes=4 * _WIDTH)
+        return load_object(data.strip() or b"{}", where=str(root / rel), max_bytes=4 * _WIDTH)
+    except (OSError, FlashCkptError):
         return {}
-    return doc if isinstance(doc, dict) else {}

@@ -20,7 +20,7 @@ import torch
 
 from flashckpt.state.restore import RestorePlan, Target
 from flashckpt.store.dtypes import numpy_dtype, torch_dtype
-from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard
+from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, check_allocatable
 from flashckpt.store.store import CheckpointStore
 
 
@@ -98,6 +98,7 @@ def _destination(target: Target) -> tuple[torch.Tensor, Any]:
     entry = target.entry
     if target.dest is not None:
         return target.dest, target.value
+    check_allocatable(entry, target.shape)
     if entry.kind == "numpy":
         arr = np.empty(target.shape, dtype=numpy_dtype(entry.dtype))
         flat = torch.from_numpy(arr.reshape(-1).view(np.uint8))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from flashckpt.engine import tierid
 from flashckpt.engine.promote import Promoter, PromoteTask, Promotion
 from flashckpt.errors import (
     ConfigError,
@@ -35,6 +36,7 @@ from flashckpt.errors import (
 )
 from flashckpt.journal import Journal
 from flashckpt.policy.retention import KeepLast, RetentionPolicy, as_retention
+from flashckpt.store import safeopen
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.gc import GcResult, apply_retention, collect_garbage
 from flashckpt.store.lock import WriterLock
@@ -43,7 +45,7 @@ from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "tiers.json"
+CONFIG_NAME = tierid.CONFIG_NAME
 SPACE_MARGIN_BYTES = 64 << 20
 ORDER = ("memory", "local", "remote")
 
@@ -70,16 +72,15 @@ def public_url(url: str) -> str:
 
 
 def read_config(root: str | os.PathLike[str]) -> dict[str, str]:
-    """``{tier name: path or URL}`` recorded in ``root/tiers.json`` ({} when absent)."""
-    p = Path(root) / CONFIG_NAME
+    """``{tier name: path or URL}`` recorded in ``root/tiers.json`` ({} when absent, or when
+    the file is not one this user wrote: see :mod:`flashckpt.engine.tierid`)."""
+    p = Path(root)
     try:
-        doc = json.loads(p.read_text())
-        return {str(t["name"]): str(t["url"]) for t in doc.get("tiers", [])}
-    except FileNotFoundError:
+        doc = tierid.read_trusted_config(p)
+    except FlashCkptError as exc:
+        log.warning("ignoring %s: %s", p / CONFIG_NAME, exc)
         return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("ignoring unreadable %s: %s", p, exc)
-        return {}
+    return {} if doc is None else {t["name"]: t["url"] for t in doc["tiers"]}
 
 
 def open_tier_store(
@@ -148,9 +149,16 @@ def _add_tiers(
         mem = Path(memory_tier).expanduser().absolute()
         if mem == local_root:
             raise StorageError(f"memory_tier {mem} is the checkpoint root itself; give /dev/shm/..")
+        rid = tierid.ensure_root_id(local_root)
+        tierid.prepare_memory_dir(mem)  # 0700, this user's, not a symlink
         lock = WriterLock(mem, name=lock_name)
         store = CheckpointStore(LocalBackend(mem, fsync=fsync))
         lock.acquire()
+        try:
+            tierid.check_belongs(mem, rid=rid, local_root=local_root)
+        except BaseException:
+            lock.release()
+            raise
         keep_m = KeepLast(2) if keep_memory is None else as_retention(keep_memory)
         tiers.append(Tier(name="memory", store=store, keep=keep_m, path=mem, lock=lock))
     tiers.append(Tier(name="local", store=local, keep=keep, path=local_root))
@@ -189,15 +197,18 @@ class TierSet:
         return next((t for t in self.tiers if t.name == name), None)
 
     def _write_config(self) -> None:
+        """Record the tiers and the root id in every local tier (no link is followed)."""
+        local = self.by_name("local")
+        rid = tierid.ensure_root_id(local.path) if local and local.path else None
         doc = {
             "version": 1,
+            "root_id": rid,
             "tiers": [{"name": t.name, "url": public_url(t.url)} for t in self.tiers],
         }
+        data = json.dumps(doc, indent=1).encode()
         for t in self.tiers:
             if t.path is not None:
-                tmp = t.path / f"{CONFIG_NAME}.tmp-{os.getpid()}"
-                tmp.write_text(json.dumps(doc, indent=1))
-                os.replace(tmp, t.path / CONFIG_NAME)
+                safeopen.write_file_atomic(t.path, CONFIG_NAME, data, fsync=False)
 
     # -- saving -----------------------------------------------------------------------------
     def check_present(self) -> None:
@@ -398,6 +409,8 @@ def list_tiers(
     cfg = read_config(p)
     if not cfg and not (p / "steps").is_dir():
         raise ConfigError(f"{root} is not a flashckpt checkpoint root (no steps/ or {CONFIG_NAME})")
+    if memory_tier is None and "memory" in cfg and not _recorded_tier_ok(p, Path(cfg["memory"])):
+        del cfg["memory"]
     cfg["local"] = str(p)
     if memory_tier is not None:
         cfg["memory"] = memory_tier
@@ -416,3 +429,18 @@ def list_tiers(
         for s in steps:
             out.setdefault(s, []).append((name, store))
     return out
+
+
+def _recorded_tier_ok(root: Path, mem: Path) -> bool:
+    """Whether the memory tier recorded in ``root/tiers.json`` passes the ownership and
+    identity checks; if not, ``ls`` warns and does not look inside it."""
+    try:
+        tierid.check_tier_dir(mem)
+        rid = tierid.find_root_id(root)
+        if rid is None:
+            raise ConfigError(f"{root} has no {tierid.ROOT_ID_NAME}, so {mem} cannot be its tier")
+        tierid.check_belongs(mem, rid=rid, local_root=root.absolute())
+    except FlashCkptError as exc:
+        warnings.warn(f"not listing the memory tier recorded in {root}: {exc}", stacklevel=3)
+        return False
+    return True

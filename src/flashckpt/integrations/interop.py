@@ -15,15 +15,22 @@ which case the part before the first ``/`` is the state entry again, so an expor
 to the same layout. A ``torch.save`` dict that is not flat (``{"model": sd, "step": 3}``) is kept
 as given, each top-level key one state entry.
 
-Trust: a DCP checkpoint's ``.metadata`` file is a pickle; reading it (as
-``torch.distributed.checkpoint.load`` itself does) runs the unpickler, so import DCP checkpoints
-only from sources you trust. DCP entries stored as pickled bytes are skipped with a warning.
+Trust: nothing read from an import source runs code. Format detection never picks a pickled
+format: a directory is imported as safetensors shards, a file as safetensors (``.safetensors``)
+or as a ``torch.save`` file loaded with ``weights_only=True``. A DCP checkpoint's ``.metadata``
+is a pickle, so a DCP directory is read only when asked for with ``format="dcp"``
+(``--format dcp``), and then through a restricted unpickler that builds DCP's metadata classes
+only and refuses anything else (:mod:`flashckpt.integrations.dcp_metadata`); its storage records
+must name data files inside the directory. DCP entries stored as pickled bytes are skipped with
+a warning (they would be unpickled by DCP itself).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +38,7 @@ from typing import Any
 
 import torch
 
-from flashckpt.errors import ConfigError, NoCheckpointError, UnsupportedStateError
+from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError, UnsupportedStateError
 
 log = logging.getLogger(__name__)
 
@@ -132,42 +139,79 @@ def export_dcp(
 
 # -- import -------------------------------------------------------------------------------
 def detect_format(src: str | os.PathLike[str]) -> str:
-    """``"dcp"``, ``"safetensors"`` or ``"torch"`` for ``src``; ConfigError when none fits."""
+    """``"safetensors"`` or ``"torch"`` for ``src``; ConfigError when neither fits. Never
+    ``"dcp"``: DCP metadata is a pickle, so reading it must be asked for explicitly."""
     p = Path(src)
     if not p.exists():
         raise ConfigError(f"import source {src} does not exist")
     if p.is_dir():
-        if (p / ".metadata").is_file():
-            return "dcp"
         if any(p.glob("*.safetensors")):
             return "safetensors"
+        if (p / ".metadata").exists():
+            raise ConfigError(
+                f"{src} looks like a DCP checkpoint; its .metadata is a pickle, so flashckpt "
+                "reads it only when asked: pass --format dcp (format='dcp'), and it is then "
+                "read with a restricted unpickler that admits DCP's metadata classes only"
+            )
         raise ConfigError(
             f"{src} is a directory with neither a DCP .metadata file nor *.safetensors shards; "
-            "import takes a DCP checkpoint directory, a safetensors file or directory of shards, "
-            "or a torch.save file"
+            "import takes a safetensors file or directory of shards, a torch.save file, or "
+            "(with --format dcp) a DCP checkpoint directory"
         )
     return "safetensors" if p.suffix == ".safetensors" else "torch"
 
 
 def load_dcp(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, keyed by its flattened DCP name (trusts ``src``)."""
+    """Every tensor of a DCP checkpoint, keyed by its flattened DCP name. Its metadata is read
+    with the restricted unpickler (:func:`~flashckpt.integrations.dcp_metadata.read_metadata`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(src))
-    metadata = reader.read_metadata()
+    from flashckpt.integrations.dcp_metadata import read_metadata, safe_reader
+
+    if not Path(src).is_dir():
+        raise ConfigError(f"DCP checkpoint {src} is not a directory")
+    metadata = read_metadata(src)
     state: dict[str, torch.Tensor] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
+            _check_fits(fqn, md.size, md.properties.dtype, src)
             state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             log.warning("import: skipping DCP entry %r (pickled bytes, not a tensor)", fqn)
     if not state:
         raise ConfigError(f"DCP checkpoint {src} holds no tensors")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+            dcp.load(state, storage_reader=safe_reader(src), no_dist=True)
+    except FlashCkptError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot read the DCP checkpoint {src}: {type(exc).__name__}: {exc}"
+        ) from None
     return state
+
+
+def _check_fits(key: str, size: Any, dtype: torch.dtype, src: Any) -> None:
+    from flashckpt.store.manifest import machine_memory_bytes
+
+    nbytes = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > machine_memory_bytes():
+        raise ConfigError(
+            f"DCP entry {key!r} in {src} claims {nbytes} bytes, more than this machine's memory"
+        )
+
+
+def _check_regular(path: Path) -> None:
+    """An import source file must be a regular file (a FIFO or device would hang the read)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path} is not a regular file; import reads regular files only")
 
 
 def load_safetensors(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -182,6 +226,7 @@ def load_safetensors(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     out: dict[str, torch.Tensor] = {}
     for f in files:
+        _check_regular(f)
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -197,6 +242,7 @@ def load_safetensors(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 def load_torch(src: str | os.PathLike[str]) -> Any:
     """A ``torch.save`` file, loaded with ``weights_only=True`` (no code runs)."""
+    _check_regular(Path(src))
     try:
         return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:

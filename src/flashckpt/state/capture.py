@@ -19,7 +19,7 @@ import torch
 from flashckpt.errors import ConfigError, UnsupportedStateError
 from flashckpt.state.dtensor import local_shard
 from flashckpt.state.tree import Leaf, encode_tree
-from flashckpt.store.dtypes import numpy_dtype_name, torch_dtype_name
+from flashckpt.store.dtypes import little_endian_array, numpy_dtype_name, torch_dtype_name
 
 
 @dataclass(kw_only=True)
@@ -88,7 +88,7 @@ def capture(state: Mapping[str, Any]) -> Captured:
 def _item(leaf: Leaf) -> TensorItem:
     v = leaf.value
     if isinstance(v, np.ndarray):
-        arr = np.ascontiguousarray(v)
+        arr = little_endian_array(v)
         return TensorItem(
             key=leaf.key,
             kind="numpy",

@@ -11,13 +11,16 @@ import builtins
 import errno
 import itertools
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from flashckpt.errors import ConfigError, StorageError
+from flashckpt.store import safeopen
 from flashckpt.store.directio import write_parts
+from flashckpt.store.safeopen import check_relpath
 
 Buffer = Any  # bytes, bytearray, memoryview, or a C-contiguous numpy array
 
@@ -56,18 +59,6 @@ class Backend(Protocol):
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, path: str) -> None: ...
     def sync_dirs(self, dirs: Sequence[str]) -> None: ...
-
-
-def check_relpath(path: str) -> str:
-    """Refuse anything but a clean relative path made of safe components."""
-    parts = path.split("/")
-    if (
-        not path
-        or path.startswith("/")
-        or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts)
-    ):
-        raise StorageError(f"refusing unsafe storage path {path!r}")
-    return path
 
 
 def is_temp_name(name: str) -> bool:
@@ -109,11 +100,18 @@ class LocalBackend:
         return self.root / check_relpath(path)
 
     def put(self, path: str, parts: Sequence[Buffer]) -> int:
-        dst = self._abs(path)
-        tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
+        head, _, name = check_relpath(path).rpartition("/")
+        tmp = f"{name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            dfd = safeopen.open_dir(self.root, head, create=True)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("write", self._abs(path), exc) from exc
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd
+            )
             try:
                 res = write_parts(fd, parts, direct=self.direct_io)
                 with self._stats_lock:
@@ -125,87 +123,117 @@ class LocalBackend:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, dst)
+            safeopen.replace_in(dfd, tmp, name)  # replaces a planted link, never follows it
         except OSError as exc:
-            _unlink_quiet(tmp)
-            raise _storage_error("write", dst, exc) from exc
+            _unlink_quiet(dfd, tmp)
+            raise _storage_error("write", self._abs(path), exc) from exc
+        finally:
+            os.close(dfd)
         return written
 
-    def read(self, path: str) -> bytes:
-        p = self._abs(path)
+    def _open_read(self, path: str) -> int:
         try:
-            return p.read_bytes()
-        except FileNotFoundError:
+            return safeopen.open_nofollow(self.root, path, os.O_RDONLY)
+        except (FileNotFoundError, StorageError):
             raise
         except OSError as exc:
-            raise _storage_error("read", p, exc) from exc
+            raise _storage_error("read", self._abs(path), exc) from exc
+
+    def read(self, path: str) -> bytes:
+        fd = self._open_read(path)
+        try:
+            chunks = []
+            while got := os.read(fd, 1 << 24):
+                chunks.append(got)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise _storage_error("read", self._abs(path), exc) from exc
+        finally:
+            os.close(fd)
 
     def read_into(self, path: str, out: memoryview) -> int:
-        p = self._abs(path)
+        fd = self._open_read(path)
         try:
-            with open(p, "rb", buffering=0) as f:
-                n = 0
-                while n < len(out):
-                    got = f.readinto(out[n:])
-                    if not got:
-                        break
-                    n += got
-                return n
-        except FileNotFoundError:
-            raise
+            n = 0
+            while n < len(out):
+                got = os.readv(fd, [out[n:]])
+                if not got:
+                    break
+                n += got
+            return n
         except OSError as exc:
-            raise _storage_error("read", p, exc) from exc
+            raise _storage_error("read", self._abs(path), exc) from exc
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return self._abs(path).exists()
+        return safeopen.is_regular(self.root, path)
 
     def size(self, path: str) -> int:
-        return self._abs(path).stat().st_size
+        """Size of a regular file; FileNotFoundError when missing, StorageError when it is a
+        symlink, FIFO, directory or device (never followed)."""
+        st = safeopen.lstat_in(self.root, path)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(
+                f"{self._abs(path)} is a {safeopen.kind_of(st.st_mode)}, not a regular file"
+            )
+        return st.st_size
 
-    def list(self, prefix: str) -> list[str]:
-        d = self._abs(prefix)
+    def _names(self, prefix: str) -> builtins.list[str]:
+        """Entries of ``prefix`` that are not symlinks (a listing never follows a link)."""
         try:
-            return sorted(n for n in os.listdir(d) if not is_temp_name(n))
+            dfd = safeopen.open_dir(self.root, prefix)
         except FileNotFoundError:
             return []
+        except StorageError:
+            raise
         except OSError as exc:
-            raise _storage_error("list", d, exc) from exc
+            raise _storage_error("list", self._abs(prefix), exc) from exc
+        try:
+            with os.scandir(dfd) as it:
+                return [e.name for e in it if not e.is_symlink()]
+        except OSError as exc:
+            raise _storage_error("list", self._abs(prefix), exc) from exc
+        finally:
+            os.close(dfd)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        return sorted(n for n in self._names(prefix) if not is_temp_name(n))
 
     def list_temp(self, prefix: str) -> builtins.list[str]:
-        d = self._abs(prefix)
-        try:
-            return sorted(n for n in os.listdir(d) if is_temp_name(n))
-        except FileNotFoundError:
-            return []
+        return sorted(n for n in self._names(prefix) if is_temp_name(n))
 
     def delete(self, path: str) -> None:
-        _unlink_quiet(self._abs(path))
+        """Remove a file (a symlink is removed itself, never its target); missing is fine.
+        A symlinked directory component is refused (StorageError): nothing outside the root
+        is ever deleted."""
+        safeopen.unlink_nofollow(self.root, path)
 
     def sync_dirs(self, dirs: Sequence[str]) -> None:
         if not self.fsync:
             return
         for d in sorted(set(dirs)):
-            p = self.root if d in ("", ".") else self._abs(d)
+            rel = "" if d in ("", ".") else d
             try:
-                fd = os.open(p, os.O_RDONLY)
+                fd = safeopen.open_dir(self.root, rel)
             except FileNotFoundError:
                 continue
+            except StorageError:
+                raise
             except OSError as exc:
-                raise _storage_error("sync", p, exc) from exc
+                raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
             try:
                 os.fsync(fd)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
-                    raise _storage_error("sync", p, exc) from exc
+                    raise _storage_error("sync", self.root / rel, exc) from exc
             finally:
                 os.close(fd)
 
 
-def _unlink_quiet(p: Path) -> None:
+def _unlink_quiet(dfd: int, name: str) -> None:
     try:
-        p.unlink()
-    except FileNotFoundError:
-        pass
+        os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 

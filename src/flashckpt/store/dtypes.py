@@ -72,6 +72,15 @@ def numpy_dtype_name(dtype: np.dtype, key: str = "") -> str:
     return little.str
 
 
+def little_endian_array(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as a C-contiguous array in the little-endian byte order flashckpt stores: a
+    big-endian array (``>f4``, ``>i8``) is converted (same values), never written as is."""
+    dtype = arr.dtype
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and np.little_endian is False):
+        return np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
 def torch_dtype(name: object) -> torch.dtype:
     if not isinstance(name, str) or name not in TORCH_DTYPES:
         raise ManifestError(f"manifest names dtype {name!r}, which is not on the allow-list")

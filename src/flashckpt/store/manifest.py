@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from flashckpt.errors import ManifestError
 from flashckpt.store.dtypes import itemsize
+from flashckpt.store.jsonfile import depth_of, load_json
+from flashckpt.store.tiling import check_tiling
 
 FORMAT = "flashckpt"
 VERSION = 1
@@ -27,6 +30,8 @@ MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything bigger is a hostile or corrupt man
 MAX_CHUNK_BYTES = 1 << 34
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_STEP = 10**15
+MAX_TREE_DEPTH = 200  # the depth state/tree.py encodes and decodes (its _MAX_DEPTH)
+MAX_SHARDS = 1 << 16  # per tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +119,37 @@ class Manifest:
         return sum(e.length for t in self.tensors.values() for s in t.shards for e in s.extents)
 
 
+def machine_memory_bytes() -> int:
+    """RAM plus swap of this machine: the most one tensor restored on the host can need."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return MAX_TENSOR_BYTES
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
+def check_allocatable(entry: TensorEntry, shape: tuple[int, ...] | None = None) -> None:
+    """Before allocating a host buffer for ``entry`` (restore of a value with no live target,
+    export, diff): refuse, as damage, a size this machine's memory cannot hold, instead of
+    letting the allocator fail with a raw RuntimeError."""
+    nbytes = math.prod(entry.global_shape if shape is None else shape) * entry.itemsize
+    limit = machine_memory_bytes()
+    if nbytes > limit:
+        raise ManifestError(
+            f"tensor {entry.key!r} needs {nbytes} bytes, more than this machine's memory "
+            f"({limit} bytes of RAM and swap); the manifest is damaged, or restore it on a "
+            "larger machine",
+            key=entry.key,
+        )
+
+
 def _entry_json(e: TensorEntry) -> dict[str, Any]:
     return {
         "kind": e.kind,
@@ -131,14 +167,20 @@ def _entry_json(e: TensorEntry) -> dict[str, Any]:
     }
 
 
-def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
-    """Parse and validate manifest bytes; raise :class:`ManifestError` on anything suspicious."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: {len(data)} bytes is larger than any valid manifest")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) -> Manifest:
+    """Parse and validate manifest bytes; raise :class:`ManifestError` on anything suspicious.
+
+    Every check restore relies on happens here, so ``verify``, ``ls``, ``inspect`` and
+    ``restore`` accept exactly the same manifests: the schema, the dtype allow-list, chunk
+    names, sizes (each tensor at most ``MAX_TENSOR_BYTES``, each chunk ``MAX_CHUNK_BYTES``),
+    extents inside their chunks, shards that never overlap and, for a ``whole`` manifest (not a
+    rank's part), tile each tensor exactly, and a state tree no deeper than restore decodes.
+    """
+    # the depth of the free-form parts (tree, rank_trees, stats) is checked below; the rest
+    # has a fixed shape that _parse_doc type-checks, so no generic walk over every extent
+    doc = load_json(
+        data, where=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=None, error=ManifestError
+    )
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a flashckpt manifest")
     if doc.get("version") != VERSION:
@@ -147,27 +189,31 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
             f"(supports {VERSION}); upgrade flashckpt"
         )
     try:
-        return _parse_doc(doc, where)
+        return _parse_doc(doc, where, whole)
     except ManifestError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
         raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_doc(doc: dict[str, Any], where: str) -> Manifest:
+def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
     step = _int(doc["step"], "step", 0, MAX_STEP, where)
     chunks = [_parse_chunk(c, where) for c in _list(doc["chunks"], "chunks", where)]
     tensors_doc = doc["tensors"]
     if not isinstance(tensors_doc, dict):
         raise ManifestError(f"{where}: 'tensors' must be an object")
-    tensors = {k: _parse_entry(k, v, chunks, where) for k, v in tensors_doc.items()}
+    tensors = {k: _parse_entry(k, v, chunks, where, whole) for k, v in tensors_doc.items()}
     tree = doc.get("tree", {})
     rank_trees = doc.get("rank_trees", {})
     if not isinstance(tree, dict) or not isinstance(rank_trees, dict):
         raise ManifestError(f"{where}: 'tree' and 'rank_trees' must be objects")
+    for name, sub in tree.items():
+        _check_tree_depth(sub, f"{where}: state tree {name!r}")
+    for rank, sub in rank_trees.items():
+        _check_tree_depth(sub, f"{where}: rank {rank!r} state tree", start=-1)
     time_s = doc.get("time", 0.0)
-    if not isinstance(time_s, (int, float)):
-        raise ManifestError(f"{where}: 'time' must be a number")
+    if not isinstance(time_s, (int, float)) or not 0 <= time_s < 1e11:
+        raise ManifestError(f"{where}: 'time' {time_s!r} is not a plausible unix time")
     return Manifest(
         step=step,
         time_s=float(time_s),
@@ -176,7 +222,7 @@ def _parse_doc(doc: dict[str, Any], where: str) -> Manifest:
         rank_trees=rank_trees,
         tensors=tensors,
         chunks=chunks,
-        stats=doc.get("stats", {}) if isinstance(doc.get("stats"), dict) else {},
+        stats=_stats(doc.get("stats")),
         library=str(doc.get("library", "")),
     )
 
@@ -197,7 +243,31 @@ def _parse_chunk(c: Any, where: str) -> ChunkRef:
     )
 
 
-def _parse_entry(key: str, v: Any, chunks: list[ChunkRef], where: str) -> TensorEntry:
+def _stats(stats: Any) -> dict[str, Any]:
+    """Informational numbers: kept only when they are a shallow object."""
+    return stats if isinstance(stats, dict) and depth_of(stats, limit=8) <= 8 else {}
+
+
+def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
+    """Refuse a tree that restore would refuse, without recursion, so ``verify`` fails exactly
+    where ``restore`` would. Restore walks the tree twice (``state.tree.tensor_refs``, then
+    ``decode_tree``); the first is the stricter count: every list or object is one level, a
+    tensor leaf ``{"__t__": key}`` is not descended into, and no value may sit deeper than
+    ``MAX_TREE_DEPTH``."""
+    stack: list[tuple[Any, int]] = [(node, start)]
+    while stack:
+        n, d = stack.pop()
+        if d > MAX_TREE_DEPTH:
+            raise ManifestError(f"{where} is nested deeper than {MAX_TREE_DEPTH}")
+        if isinstance(n, list):
+            stack.extend((v, d + 1) for v in n)
+        elif isinstance(n, dict) and not (len(n) == 1 and ("__t__" in n or "__np__" in n)):
+            stack.extend((v, d + 1) for v in n.values())
+
+
+def _parse_entry(
+    key: str, v: Any, chunks: list[ChunkRef], where: str, whole: bool = True
+) -> TensorEntry:
     if not isinstance(v, dict):
         raise ManifestError(f"{where}: tensor {key!r} entry must be an object")
     kind = v["kind"]
@@ -208,10 +278,13 @@ def _parse_entry(key: str, v: Any, chunks: list[ChunkRef], where: str) -> Tensor
     gshape = _shape(v["global_shape"], f"tensor {key!r} global_shape", where)
     if math.prod(gshape) * isz > MAX_TENSOR_BYTES:
         raise ManifestError(f"{where}: tensor {key!r} claims an absurd size {gshape}")
-    shards = tuple(
-        _parse_shard(key, s, gshape, isz, chunks, where)
-        for s in _list(v["shards"], "shards", where)
-    )
+    shards_doc = _list(v["shards"], "shards", where)
+    if len(shards_doc) > MAX_SHARDS:
+        raise ManifestError(f"{where}: tensor {key!r} has {len(shards_doc)} shards")
+    shards = tuple(_parse_shard(key, s, gshape, isz, chunks, where) for s in shards_doc)
+    problem = check_tiling(gshape, [(s.offset, s.shape) for s in shards], whole=whole)
+    if problem:
+        raise ManifestError(f"{where}: tensor {key!r}: {problem}; refusing to load it")
     return TensorEntry(key=key, kind=kind, dtype=dtype, global_shape=gshape, shards=shards)
 
 

@@ -165,7 +165,7 @@ class CheckpointStore:
             data = self.backend.read(path)
         except FileNotFoundError:
             raise NoCheckpointError(f"no checkpoint for step {step} in {self.url}") from None
-        m = parse_manifest(data, where=f"{self.url}/{path}")
+        m = parse_manifest(data, where=f"{self.url}/{path}", whole=name is None)
         if name is None and m.step != step:
             raise ManifestError(f"{path} claims step {m.step}", step=step)
         return m

@@ -1,0 +1,129 @@
+"""Reading a DCP checkpoint's ``.metadata`` without running code from it.
+
+``torch.distributed.checkpoint`` stores its metadata as a pickle and loads it with
+``pickle.load``, which runs whatever the file tells it to. flashckpt never does: it reads the
+file with a restricted unpickler that can build only DCP's own metadata classes (the dataclasses
+and enum of ``torch.distributed.checkpoint.metadata``, the file reader's ``_StorageInfo``),
+``torch.Size``, torch dtypes and layouts and ``pathlib`` paths, the way ``torch.load(...,
+weights_only=True)`` restricts a ``torch.save`` file, and refuses anything else with a
+:class:`~flashckpt.errors.ConfigError`. The storage records it finds must then name plain data
+files inside the checkpoint directory. This is only used with an explicit ``--format dcp``:
+format detection never picks a pickled format.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle  # restricted: see _RestrictedUnpickler.find_class
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.store import safeopen
+
+MAX_METADATA_BYTES = 256 << 20
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str]] = {
+    _DCP_METADATA: {
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "Metadata",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not a DCP metadata class; flashckpt does not load it"
+        )
+
+
+def read_metadata(src: str | os.PathLike[str]) -> Any:
+    """The ``Metadata`` of the DCP checkpoint directory ``src``, read without running code."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = Path(src) / ".metadata"
+    try:
+        data = safeopen.read_file(src, ".metadata", max_bytes=MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"{src} has no .metadata file: it is not a DCP checkpoint") from None
+    except (OSError, FlashCkptError) as exc:
+        raise ConfigError(f"cannot read {where}: {exc}") from None
+    try:
+        md = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(f"{where} is refused: {exc}; import only DCP checkpoints") from None
+    except Exception as exc:  # a damaged pickle fails in many ways, none of them ours
+        raise ConfigError(
+            f"{where} is not a readable DCP metadata file ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", 0), dict):
+        raise ConfigError(f"{where} does not hold DCP Metadata (found {type(md).__name__})")
+    _check_storage(Path(src), md, where)
+    return md
+
+
+def _check_storage(src: Path, md: Any, where: Path) -> None:
+    """Every data record must point into a regular file directly inside ``src``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise ConfigError(f"{where}: storage_data is not a mapping")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if (
+            not isinstance(rel, str)
+            or "/" in rel
+            or rel in ("", ".", "..")
+            or not all(isinstance(v, int) and v >= 0 for v in (offset, length))
+            or not safeopen.is_regular(src, rel)
+        ):
+            raise ConfigError(
+                f"{where}: a storage record names {rel!r} (offset {offset!r}, length "
+                f"{length!r}), not a data file inside {src}; refusing to read it"
+            )
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        size = getattr(item, "size", None)
+        if not (isinstance(size, torch.Size) and all(isinstance(d, int) and d >= 0 for d in size)):
+            raise ConfigError(f"{where}: entry {fqn!r} has an invalid size {size!r}")
+        if not isinstance(getattr(getattr(item, "properties", None), "dtype", None), torch.dtype):
+            raise ConfigError(f"{where}: entry {fqn!r} has no torch dtype")
+
+
+def safe_reader(src: str | os.PathLike[str]) -> Any:
+    """A ``FileSystemReader`` for ``src`` whose ``read_metadata`` is the restricted one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md = read_metadata(src)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _SafeReader(str(src))

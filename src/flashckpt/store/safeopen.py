@@ -1,0 +1,224 @@
+"""Opening files inside a checkpoint root (or tier) without ever leaving it.
+
+The one place that turns ``(base, "a/b/name")`` into a file descriptor. ``base`` is the root the
+user chose (it may itself be a symlink they made); nothing *below* it is followed: each
+directory component is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the previous one
+(``openat``), and the file itself with ``O_NOFOLLOW``. A symlink anywhere under the root is
+refused with a :class:`~flashckpt.errors.StorageError`, so a planted link can never make
+flashckpt write, truncate or delete a file elsewhere.
+
+Reads also open with ``O_NONBLOCK`` and check ``fstat``: a FIFO, socket or device in place of a
+manifest or chunk is damage (:class:`~flashckpt.errors.CorruptCheckpointError`), never read,
+so it cannot hang a restore.
+
+Everything that opens a file under a root goes through here: the local backend, the journal,
+the run marker, tiers.json, the root id, and the writer lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from flashckpt.errors import CorruptCheckpointError, StorageError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+    stat.S_IFLNK: "symlink",
+}
+MAX_READ_BYTES = 1 << 30
+
+
+def check_relpath(path: str) -> str:
+    """Refuse anything but a clean relative path made of safe components."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts)
+    ):
+        raise StorageError(f"refusing unsafe storage path {path!r}")
+    return path
+
+
+def kind_of(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "special file")
+
+
+def _refused(base: Path, rel: str, exc: OSError) -> StorageError:
+    err = StorageError(
+        f"refusing to open {base / rel}: a component is a symlink or not a directory "
+        f"({exc.strerror}); flashckpt never follows links inside a checkpoint root. Remove it "
+        "(and check who else can write this directory)"
+    )
+    err.errno = exc.errno
+    return err
+
+
+def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = False) -> int:
+    """A directory fd for ``base/rel``, following no symlink below ``base``. With ``create``,
+    missing components are created (mode 0755 less the umask). Missing: FileNotFoundError."""
+    base = Path(base)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in check_relpath(rel).split("/") if rel else []:
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refused(base, rel, exc) from None
+        raise
+    return fd
+
+
+def open_nofollow(
+    base: str | os.PathLike[str],
+    rel: str,
+    flags: int,
+    mode: int = 0o644,
+    *,
+    create_dirs: bool = False,
+) -> int:
+    """An fd for the regular file ``base/rel`` opened with ``flags``; no symlink below ``base``
+    is followed, and anything but a regular file is refused (never read, never truncated)."""
+    head, _, name = check_relpath(rel).rpartition("/")
+    dfd = open_dir(base, head, create=create_dirs)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise _not_regular(Path(base) / rel, exc) from None
+        raise
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{Path(base) / rel} is a {kind_of(st.st_mode)}, not a regular file; flashckpt "
+            "treats it as damage and does not read it (remove it)"
+        )
+    return fd
+
+
+def _not_regular(path: Path, exc: OSError) -> CorruptCheckpointError:
+    what = {errno.ELOOP: "a symlink", errno.ENXIO: "a FIFO or socket", errno.EISDIR: "a directory"}
+    return CorruptCheckpointError(
+        f"{path} is {what.get(exc.errno or 0, 'not a regular file')}; flashckpt never follows "
+        "or reads it (remove it)"
+    )
+
+
+def read_file(base: str | os.PathLike[str], rel: str, *, max_bytes: int = MAX_READ_BYTES) -> bytes:
+    """All bytes of the regular file ``base/rel`` (at most ``max_bytes``, else damage)."""
+    fd = open_nofollow(base, rel, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise CorruptCheckpointError(
+                f"{Path(base) / rel} is {size} bytes, more than the {max_bytes} any valid file "
+                "of this kind holds; treating it as damage"
+            )
+        chunks = []
+        while True:
+            got = os.read(fd, max(size, 1 << 16))
+            if not got:
+                break
+            chunks.append(got)
+            size = 1 << 16
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def lstat_in(base: str | os.PathLike[str], rel: str) -> os.stat_result:
+    """``lstat`` of ``base/rel`` without following any symlink below ``base``."""
+    head, _, name = check_relpath(rel).rpartition("/")
+    dfd = open_dir(base, head)
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
+
+
+def is_regular(base: str | os.PathLike[str], rel: str) -> bool:
+    """True when ``base/rel`` is a regular file reached without following symlinks."""
+    try:
+        return stat.S_ISREG(lstat_in(base, rel).st_mode)
+    except (OSError, StorageError):
+        return False
+
+
+def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
+    """Remove ``base/rel`` (the link itself, if it is one); missing is fine. Never through a
+    symlinked directory component (refused with StorageError)."""
+    head, _, name = check_relpath(rel).rpartition("/")
+    try:
+        dfd = open_dir(base, head)
+    except FileNotFoundError:
+        return
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    except OSError as exc:
+        if exc.errno != errno.EPERM:  # EPERM: a directory on some systems
+            raise
+    finally:
+        os.close(dfd)
+
+
+def replace_in(dfd: int, src: str, dst: str) -> None:
+    os.replace(src, dst, src_dir_fd=dfd, dst_dir_fd=dfd)
+
+
+def write_file_atomic(
+    base: str | os.PathLike[str], rel: str, data: bytes, *, fsync: bool = True, mode: int = 0o644
+) -> None:
+    """Write ``data`` to ``base/rel`` through a temporary file and an atomic rename, inside a
+    directory reached without following symlinks (a link at ``rel`` is replaced, not followed)."""
+    head, _, name = check_relpath(rel).rpartition("/")
+    dfd = open_dir(base, head, create=True)
+    tmp = f"{name}.tmp-{os.getpid()}-{id(data):x}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        replace_in(dfd, tmp, name)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise StorageError(
+                f"cannot write {Path(base) / rel}: {exc.strerror or exc}; if it is a directory "
+                "or not writable, remove it or fix its permissions"
+            ) from None
+        raise
+    finally:
+        os.close(dfd)

@@ -167,8 +167,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         Journal(Path(store.url) / JOURNAL_NAME).append(
             "gc_skipped", tier="local", reason=res.skipped
         )
-        print(f"{res.skipped}; nothing was deleted, try again when no save is running")
-        return 1
+        if res.busy:  # not damage: exit 2 like any other error that says what to do
+            print(f"{res.skipped}; try again when no save is running", file=sys.stderr)
+            return 2
+        print(f"{res.skipped}; run flashckpt verify {args.root} to see the damage")
+        return 1  # a check found damage (an unreadable manifest, part or pin)
     print(
         f"deleted {res.chunks_deleted} unreferenced chunks ({format_bytes(res.bytes_deleted)})"
         + (f" and {res.temp_deleted} stale temporary files" if res.temp_deleted else "")

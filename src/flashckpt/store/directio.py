@@ -77,7 +77,10 @@ def supported(directory: str | os.PathLike[str]) -> bool:
     if not O_DIRECT:
         return False
     probe = os.path.join(directory, f".direct-probe-{os.getpid()}")
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:  # O_EXCL|O_NOFOLLOW: a planted link or file at the probe's name is never followed
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return False
     try:
         return _set_direct(fd, True)
     finally:

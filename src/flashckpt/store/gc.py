@@ -39,6 +39,7 @@ class GcResult:
     temp_deleted: int = 0
     full: bool = False
     skipped: str | None = None  # why nothing was collected (lock busy, unreadable manifest/pin)
+    busy: bool = False  # skipped because a writer holds the root (try again later), not damage
 
 
 def apply_retention(store: CheckpointStore, policy: RetentionPolicy) -> tuple[int, ...]:
@@ -74,12 +75,13 @@ def collect_garbage(
     live = store.liveness
     with live.exclusive() as got:
         if not got:
-            return _skipped(store, "a save or promotion of another process is writing it")
+            why = "a save or promotion of another process is writing it"
+            return _skipped(store, why, busy=True)
         try:
             live.sync()
             records = read_pins(store.backend) if live.pins_on_disk else []
         except FlashCkptError as exc:
-            return _skipped(store, f"{exc}; nothing was deleted")
+            return _skipped(store, str(exc))
         return _collect(store, live, records, set(pinned), full)
 
 
@@ -113,10 +115,10 @@ def _collect(
     return GcResult(chunks_deleted=deleted, bytes_deleted=freed, temp_deleted=temps, full=full)
 
 
-def _skipped(store: CheckpointStore, why: str) -> GcResult:
-    msg = f"garbage collection of {store.url} skipped: {why}"
+def _skipped(store: CheckpointStore, why: str, *, busy: bool = False) -> GcResult:
+    msg = f"garbage collection of {store.url} skipped, nothing was deleted: {why}"
     log.warning(msg)
-    return GcResult(skipped=msg)
+    return GcResult(skipped=msg, busy=busy)
 
 
 def _paths(h: str) -> list[str]:

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.store import codec as codecs
+from flashckpt.store import safeopen
 from flashckpt.store.backend import Backend
 from flashckpt.store.lock import RootLock
 from flashckpt.store.manifest import ChunkRef, Manifest, parse_manifest
@@ -196,8 +197,14 @@ class Liveness:
         """For lock-free readers: is ``step`` still committed? (False: retention deleted it
         while it was being read, which is not damage.)"""
         try:
-            return self.backend.exists(step_name(step))
-        except OSError:
+            if self.root is None:
+                return self.backend.exists(step_name(step))
+            # any entry at the name counts: a FIFO or a link planted there is damage, not gone
+            safeopen.lstat_in(self.root, step_name(step))
+            return True
+        except FileNotFoundError:
+            return False
+        except (OSError, FlashCkptError):
             return True  # cannot tell: keep reporting what was found
 
     def _version(self, name: str) -> object:

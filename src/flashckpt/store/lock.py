@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flashckpt.errors import LockedError, StorageError
+from flashckpt.errors import FlashCkptError, LockedError, StorageError
+from flashckpt.store import safeopen
 
 _held: set[str] = set()
 _held_lock = threading.Lock()
@@ -57,10 +58,14 @@ def try_lockf(fd: int, mode: int, path: Path) -> bool:
 
 
 def _open_lock_file(path: Path) -> int:
+    """``ROOT/locks/<name>.lock``, opened without following a symlink anywhere below ROOT (a
+    planted link must not make flashckpt create or lock a file outside the root)."""
+    root = path.parent.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
+        return safeopen.open_nofollow(
+            root, f"locks/{path.name}", os.O_RDWR | os.O_CREAT, create_dirs=True
+        )
+    except (OSError, FlashCkptError) as exc:
         raise StorageError(f"cannot create lock file {path}: {exc}") from exc
 
 

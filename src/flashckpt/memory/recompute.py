@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -80,17 +81,48 @@ class RecomputePlan:
         )
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+# Keyword arguments that carry a KV cache into a block, under the names HF models use.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the KV cache turned off, as HF's own gradient checkpointing does.
+
+    A block that writes a cache would append its K/V a second time when backward recomputes
+    it (and with a padded batch the replay sees a longer cache and fails); training never
+    reads that cache. Layers that only read a cache say so (``_can_checkpoint_with_cache``).
+    """
+    if not torch.is_grad_enabled():
+        return kwargs  # no backward, no replay: the block runs as is
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if out.get(name) is not None:
+                out[name] = None
+    return out
+
+
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **_without_cache(module, kwargs))
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether :func:`wrap_block` made ``module`` recompute its forward."""
+    return _ORIGINAL_FORWARD in module.__dict__
 
 
 def wrap_block(module: nn.Module) -> None:
     """Make ``module`` recompute its forward in backward (idempotent)."""
-    if _ORIGINAL_FORWARD in module.__dict__:
+    if is_wrapped(module):
         return
     original = module.forward
     module.__dict__[_ORIGINAL_FORWARD] = original
-    module.forward = functools.partial(_checkpointed, original)  # type: ignore[method-assign]
+    wrapped = functools.partial(_checkpointed, module, original)
+    module.forward = wrapped  # type: ignore[method-assign]
 
 
 def unwrap_block(module: nn.Module) -> None:

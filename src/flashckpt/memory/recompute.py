@@ -17,6 +17,7 @@ Baselines: every k-th block, and the per-block analogue of Chen et al. 2016's sq
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -85,29 +86,43 @@ class RecomputePlan:
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the KV cache turned off, as HF's own gradient checkpointing does.
+def _without_cache(
+    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with the KV cache turned off, as HF's gradient checkpointing does.
 
     A block that writes a cache would append its K/V a second time when backward recomputes
     it (and with a padded batch the replay sees a longer cache and fails); training never
-    reads that cache. Layers that only read a cache say so (``_can_checkpoint_with_cache``).
+    reads that cache. The cache may come by keyword or by position (GPT-2 passes it second).
+    Layers that only read a cache say so (``_can_checkpoint_with_cache``) and keep it.
     """
-    if not torch.is_grad_enabled():
-        return kwargs  # no backward, no replay: the block runs as is
-    out = dict(kwargs)
-    if out.get("use_cache"):
-        out["use_cache"] = False
-    if not getattr(module, "_can_checkpoint_with_cache", False):
-        for name in _CACHE_KWARGS:
-            if out.get(name) is not None:
-                out[name] = None
-    return out
+    names = ("use_cache", *_CACHE_KWARGS)
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature to bind: keywords only
+        bound = None
+    given = bound.arguments if bound is not None else kwargs
+    flat = dict(given)
+    flat.update(flat.pop("kwargs", None) or {})  # a **kwargs parameter, bound by name
+    if not any(flat.get(name) for name in names):
+        return args, kwargs
+    keep_cache = getattr(module, "_can_checkpoint_with_cache", False)
+    replace = {"use_cache": False} if flat.get("use_cache") else {}
+    if not keep_cache:
+        replace |= {name: None for name in _CACHE_KWARGS if flat.get(name) is not None}
+    for name, value in replace.items():
+        if name in given:
+            given[name] = value
+        elif bound is not None and isinstance(given.get("kwargs"), dict):
+            given["kwargs"][name] = value
+    return (bound.args, bound.kwargs) if bound is not None else (args, given)
 
 
 def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **_without_cache(module, kwargs))
+        return forward(*args, **kwargs)  # no backward, no replay: the block runs as is
+    args, kwargs = _without_cache(module, forward, args, kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def is_wrapped(module: nn.Module) -> bool:

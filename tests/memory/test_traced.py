@@ -129,3 +129,18 @@ def test_zero3_shards_the_traced_states() -> None:
     assert z3.breakdown["optimizer"] == pytest.approx(one.breakdown["optimizer"] / 4, abs=4)
     assert z3.breakdown["params"] == pytest.approx(one.breakdown["params"] / 4, abs=4)
     assert z3.breakdown["activations"] == one.breakdown["activations"]
+
+
+def test_cuda_rules_on_cpu_use_a_fused_attention_kernel() -> None:
+    """Without CUDA, device='cuda' emulates CUDA's SDPA choice: no s x s scores saved, even
+    with HF GPT-2's attention dropout (on CPU a dropout sends SDPA to the math path)."""
+    model = tiny("gpt2", n_positions=256)  # attn_pdrop 0.1
+
+    def acts(seq: int, device: str) -> int:
+        est = estimate(model, device=device, batch_size=1, seq_len=seq, optimizer="sgd")
+        return est.breakdown["activations"]
+
+    cuda = acts(256, "cuda") / acts(128, "cuda")
+    cpu = acts(256, "cpu") / acts(128, "cpu")
+    assert cuda <= 2.05  # linear in the sequence (the outer terms grow a little slower)
+    assert cpu > cuda + 0.3  # CPU's math path saves the quadratic scores

@@ -28,8 +28,8 @@ from flashckpt.memory.options import (
     EstimateOptions,
     MemoryEstimate,
 )
-from flashckpt.memory.profile import find_blocks
-from flashckpt.memory.traced import TracedStep, trace_step
+from flashckpt.memory.profile import find_blocks, profile
+from flashckpt.memory.traced import TracedStep, fake_step_context, trace_step
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,20 @@ def _refuse(opts: EstimateOptions) -> None:
 
 
 def default_device() -> str:
-    """Fake tensors on CUDA where torch has a GPU (CUDA's autocast rules), else on CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``"cuda"``: the planner plans GPUs (emulated on CPU where torch has no GPU)."""
+    return "cuda"
+
+
+def resolve_device(device: str | None) -> tuple[str, bool]:
+    """(fake device, whether CUDA's rules are emulated on CPU tensors) for ``device``.
+
+    ``"cuda"`` is fake CUDA tensors where torch has a GPU, else CPU tensors under
+    :class:`flashckpt.memory.cudarules.CudaRules`; ``"cpu"`` is a CPU step, exactly.
+    """
+    device = device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "cpu", True
+    return device, False
 
 
 def trace_model(
@@ -157,9 +169,10 @@ def _trace(
         optimizer_impl=opts.optimizer_impl,
         grad_accum=opts.grad_accum,
         recompute=_plan_for(model, opts.recompute),
-        device=device or default_device(),
+        device=resolve_device(device)[0],
         logits_shape=(tokens * vocab, vocab) if isinstance(vocab, int) else None,
         fake=fake,
+        cuda_rules=resolve_device(device)[1],
     )
 
 
@@ -212,7 +225,9 @@ def traced_estimate(
     breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
     notes = [f"traced one step on fake {traced.device} tensors; peak in {traced.peak_phase}"]
     if traced.device == "cpu":
-        notes.append("CPU autocast rules (no CUDA here): a CUDA machine traces with CUDA's rules")
+        notes.append("CPU kernels and CPU autocast rules (device='cpu')")
+    elif "emulated" in traced.device:
+        notes.append("no CUDA here: CUDA's attention kernel and autocast fp32 ops emulated")
     return MemoryEstimate(
         shape=None,
         num_params=traced.num_params,
@@ -223,3 +238,24 @@ def traced_estimate(
         phase_peaks=peaks,
         notes=tuple(notes),
     )
+
+
+def profile_blocks(
+    model: nn.Module,
+    opts: EstimateOptions,
+    *,
+    device: str | None = None,
+    blocks: list[str] | None = None,
+    inputs: Callable[[int, int, torch.device], dict[str, Any]] | None = None,
+) -> list[tuple[int, int]]:
+    """(saved bytes, input bytes) of each block in one fake forward (saved-tensor hooks)."""
+    name, cuda_rules = resolve_device(device)
+    dev = torch.device(name)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if inputs is None:
+        if not isinstance(vocab, int):
+            raise ConfigError(f"{type(model).__name__}: pass inputs= to profile its blocks")
+        inputs = _hf_inputs(vocab)
+    with fake_step_context(model, precision=opts.precision, device=dev, cuda_rules=cuda_rules):
+        prof = profile(model, blocks=blocks, **inputs(opts.batch_size, opts.seq_len, dev))
+    return [(b.activation_bytes, b.input_bytes) for b in prof.blocks]

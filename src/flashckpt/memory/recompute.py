@@ -16,16 +16,18 @@ Baselines: every k-th block, and the per-block analogue of Chen et al. 2016's sq
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flashckpt.errors import ConfigError, FlashCkptError
@@ -122,7 +124,24 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)  # no backward, no replay: the block runs as is
     args, kwargs = _without_cache(module, forward, args, kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    modes = _get_current_function_mode_stack()
+    if not modes:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def contexts() -> tuple[Any, Any]:
+        # Backward runs without the forward's torch-function modes: replay under them too,
+        # as checkpoint already does for autocast, so the recompute saves the same tensors.
+        return contextlib.nullcontext(), _entered(modes)
+
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+@contextlib.contextmanager
+def _entered(modes: Sequence[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 def is_wrapped(module: nn.Module) -> bool:

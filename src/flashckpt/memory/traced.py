@@ -149,6 +149,26 @@ def _training_mode(model: nn.Module, plan: Any) -> Iterator[None]:
             module.training = mode
 
 
+@contextlib.contextmanager
+def fake_step_context(
+    model: nn.Module, *, precision: str, device: torch.device, cuda_rules: bool = False
+) -> Iterator[None]:
+    """Fake tensors, the model's parameters swapped for fake ones, train mode, autocast."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.ExitStack() as stack:
+        if cuda_rules:
+            from flashckpt.memory.cudarules import CudaRules
+
+            stack.enter_context(CudaRules())
+        stack.enter_context(FakeTensorMode())
+        stack.enter_context(_swapped(model, param_dtype(precision), device))
+        stack.enter_context(_training_mode(model, None))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(_autocast(precision, device))
+        yield
+
+
 def _trainable(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -235,6 +255,7 @@ def trace_step(
     device: str | torch.device = "cpu",
     logits_shape: tuple[int, int] | None = None,
     fake: bool = True,
+    cuda_rules: bool = False,
 ) -> TracedStep:
     """Meter one training step of ``model`` (see the module docstring)."""
     if grad_accum < 1:
@@ -251,6 +272,10 @@ def trace_step(
             stack.enter_context(_swapped(model, param_dtype(precision), dev))
         stack.enter_context(_training_mode(model, recompute))
         stack.enter_context(torch.enable_grad())
+        if cuda_rules:
+            from flashckpt.memory.cudarules import CudaRules
+
+            stack.enter_context(CudaRules())
         params = _trainable(model)
         if not params:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters to train")
@@ -274,6 +299,6 @@ def trace_step(
         at_peak={p: at_peak[p] for p in PHASES if p in at_peak},
         num_params=num_params,
         trainable_params=trainable,
-        device=dev.type,
+        device="cuda (emulated on CPU)" if cuda_rules else dev.type,
         fake=fake,
     )

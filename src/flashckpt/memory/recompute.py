@@ -10,7 +10,7 @@ does it): with ``R`` the recomputed blocks, the peak activation memory is
 backward), and the cost is ``sum(forward_s of R)`` (one extra forward per recomputed block).
 :func:`plan_recompute` minimises the cost subject to ``peak <= budget`` exactly: for each
 candidate largest recomputed block it solves a min-cost covering knapsack ("save at least D
-bytes") by dynamic programming over the Pareto frontier of (bytes saved, seconds spent).
+bytes") exactly by branch and bound (:mod:`flashckpt.memory.cover`).
 Baselines: every k-th block, and the per-block analogue of Chen et al. 2016's sqrt(n) rule.
 """
 
@@ -31,6 +31,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.memory.cover import min_cost_cover
 from flashckpt.memory.profile import BlockProfile, ModelProfile
 from flashckpt.memory.units import format_bytes
 
@@ -190,39 +191,6 @@ def _peak(blocks: Sequence[BlockProfile], chosen: set[str]) -> int:
     return kept + inputs + live
 
 
-def _min_cost_cover(
-    items: Sequence[tuple[int, float, int]], need: int
-) -> tuple[float, int, tuple[int, ...]] | None:
-    """Cheapest subset of ``(saving, cost, index)`` items with total saving >= ``need``.
-
-    Exact DP over the Pareto frontier of (capped saving -> least cost); ties prefer fewer items.
-    Returns ``(cost, count, indices)`` or None when even all items together save too little.
-    """
-    frontier: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
-    for saving, cost, index in items:
-        if saving <= 0:
-            continue  # never helps: recomputing it costs time and saves nothing
-        for have, (c, k, chosen) in list(frontier.items()):
-            reach = min(need, have + saving)
-            candidate = (c + cost, k + 1, (*chosen, index))
-            if reach not in frontier or candidate[:2] < frontier[reach][:2]:
-                frontier[reach] = candidate
-        frontier = _prune(frontier)
-    return frontier.get(need)
-
-
-def _prune(frontier: dict[int, tuple[float, int, tuple[int, ...]]]) -> dict:
-    """Drop states that save less and cost no less than another state."""
-    kept: dict[int, tuple[float, int, tuple[int, ...]]] = {}
-    best: tuple[float, int] | None = None
-    for have in sorted(frontier, reverse=True):
-        entry = frontier[have]
-        if best is None or entry[:2] < best:
-            kept[have] = entry
-            best = entry[:2]
-    return kept
-
-
 def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
     """The cheapest set of blocks to recompute so peak activation bytes <= ``budget_bytes``.
 
@@ -238,13 +206,16 @@ def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
     if base <= budget:
         best = (0.0, 0, base, ())
     for live in sorted({b.activation_bytes for b in blocks}):
+        if best is not None and best[1] == 0:
+            break  # recomputing nothing fits: nothing is cheaper
         allowed = [
             (b.activation_bytes - b.input_bytes, b.forward_s, i)
             for i, b in enumerate(blocks)
             if b.activation_bytes <= live
         ]
         need = base + live - budget
-        found = _min_cost_cover(allowed, max(need, 0)) if need <= _max_saving(allowed) else None
+        beat = None if best is None else (best[0], best[1])
+        found = min_cost_cover(allowed, max(need, 1), beat=beat)
         if found is None or not found[2]:
             continue
         chosen = {blocks[i].name for i in found[2]}
@@ -267,10 +238,6 @@ def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
         budget_bytes=budget_bytes,
         method="dp",
     )
-
-
-def _max_saving(items: Sequence[tuple[int, float, int]]) -> int:
-    return sum(saving for saving, _, _ in items if saving > 0)
 
 
 def min_activation_bytes(profile: ModelProfile) -> int:

@@ -115,15 +115,15 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
             why = f"cannot build the model ({exc})"
     if args.method == "traced":
         raise ConfigError(f"--method traced is not possible here: {why}")
-    sizer = FormulaSizer(resolve_shape(args.model), **_base(args, traced=False))
-    return sizer, f"formula estimate (closed forms; {why})"
+    formula = FormulaSizer(resolve_shape(args.model), **_base(args, traced=False))
+    return formula, f"formula estimate (closed forms; {why})"
 
 
 def _header(args: argparse.Namespace, sizer: Sizer, gpu: GPU, gpu_bytes: int, how: str) -> str:
     world = args.world_size or args.tp
     if isinstance(sizer, TracedSizer):
         params = sum(p.numel() for p in sizer.model.parameters())
-        cfg = sizer.model.config
+        cfg: Any = sizer.model.config
         desc = f"{cfg.model_type}, {len(sizer.blocks)} blocks, vocab {cfg.vocab_size}"
     else:
         shape = sizer.shape

@@ -46,7 +46,7 @@ def _catalog_config(shape: TransformerShape) -> Any:
             n_positions=shape.max_seq_len,
             n_inner=shape.ffn_hidden,
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         hidden_size=shape.hidden,
         intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers,
@@ -76,7 +76,7 @@ def hf_config(model: Any) -> Any:
             raise ConfigError(f"cannot read model config {model}: {exc}") from exc
     if not isinstance(model, dict):
         return model  # already a config object
-    kind = model.get("model_type")
+    kind = str(model.get("model_type"))
     if kind not in transformers.CONFIG_MAPPING:
         raise ConfigError(
             f"config model_type={kind!r} is not one transformers knows; pass a catalog name"

@@ -14,6 +14,7 @@ as an op output and is not seen; the estimate adds a constant for it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -76,7 +77,7 @@ class LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         if category is None:
             category = "logits" if self._is_logits(t) else "activations"
-        ref = weakref.ref(storage, lambda _r, key=key: self._free(key))
+        ref = weakref.ref(storage, functools.partial(self._on_death, key))
         self._entries[key] = [ref, nbytes, category]
         self.live += nbytes
         self._add(category, nbytes)
@@ -108,6 +109,9 @@ class LiveBytes(TorchDispatchMode):
         self.totals[category] += nbytes
         if self.totals[category] > self.category_peaks[category]:
             self.category_peaks[category] = self.totals[category]
+
+    def _on_death(self, key: int, _ref: Any) -> None:
+        self._free(key)
 
     def _free(self, key: int) -> None:
         entry = self._entries.pop(key, None)

@@ -110,7 +110,7 @@ def _without_cache(
     if not any(flat.get(name) for name in names):
         return args, kwargs
     keep_cache = getattr(module, "_can_checkpoint_with_cache", False)
-    replace = {"use_cache": False} if flat.get("use_cache") else {}
+    replace: dict[str, Any] = {"use_cache": False} if flat.get("use_cache") else {}
     if not keep_cache:
         replace |= {name: None for name in _CACHE_KWARGS if flat.get(name) is not None}
     for name, value in replace.items():

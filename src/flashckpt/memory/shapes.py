@@ -234,7 +234,7 @@ def shape_from_hf_config(config: Any) -> TransformerShape:
             "num_attention_heads/n_head, vocab_size; pass a TransformerShape instead"
         )
     act = str(_pick(cfg, "hidden_act", "activation_function", default="gelu"))
-    kind = cfg.get("model_type")
+    kind = str(cfg.get("model_type"))
     gated, tied_default = _FORMULA_TYPES.get(kind, (act in ("silu", "swish"), True))
     learned = "n_positions" in cfg or cfg.get("model_type") in ("gpt2", "opt", "gpt_bigcode")
     return TransformerShape(

@@ -80,7 +80,7 @@ def build_optimizer(
         return optimizer(params)
     if impl not in OPTIMIZER_IMPLS:
         raise ConfigError(f"optimizer_impl={impl!r}; accepted: {', '.join(OPTIMIZER_IMPLS)}")
-    flags = {"foreach": impl == "foreach"}
+    flags: dict[str, Any] = {"foreach": impl == "foreach"}
     if impl == "fused":
         flags = {"fused": True}
     if optimizer in ("adamw", "adam"):
@@ -118,7 +118,7 @@ def _swapped(model: nn.Module, dtype: torch.dtype | None, device: torch.device) 
                 for name, value in list(table.items()):
                     if value is not None:
                         saved.append((table, name, value))
-                        table[name] = fake_of(value, param=param)
+                        table[name] = fake_of(value, param=param)  # type: ignore[assignment]
         yield
     finally:
         for table, name, value in reversed(saved):

@@ -176,7 +176,7 @@ def test_plan_traces_a_hf_config(capsys: pytest.CaptureFixture[str], tmp_path: P
         )
     )
     argv = ("--model", str(config), "--gpu", "rtx4090", "--batch", "2", "--seq", "16")
-    code, out = _run(capsys, *argv, "--method", "auto")
+    code, out = _run(capsys, *argv, "--method", "auto", "--world-size", "1")
     assert code == 0 and "traced: one real training step" in out and "FITS" in out
     import transformers
 

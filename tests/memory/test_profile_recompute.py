@@ -228,3 +228,19 @@ def test_planner_exact_on_uneven_sizes_and_zero_costs() -> None:
         plan = plan_recompute(prof, budget)
         assert plan.activation_bytes <= budget
         assert (round(plan.recompute_s, 9), len(plan.recompute)) == want
+
+
+def test_planner_on_many_identical_blocks_takes_the_fewest() -> None:
+    """Identical blocks (every shape_profile) made the first branch and bound explore every
+    symmetric subset; the count-aware bound cuts them. 48 blocks: brute force is out of reach,
+    the optimum is known: ceil(need / saving per block) blocks."""
+    blocks = [
+        BlockProfile(name=f"l{i}", activation_bytes=1000, input_bytes=37, forward_s=0.01)
+        for i in range(48)
+    ]
+    prof = ModelProfile(blocks=blocks, other_activation_bytes=11)
+    for budget in (30_000, 24_011, 17_777):
+        need = prof.activation_bytes + 1000 - budget  # the largest recomputed block stays live
+        plan = plan_recompute(prof, budget)
+        assert len(plan.recompute) == -(-need // (1000 - 37))
+        assert plan.activation_bytes <= budget

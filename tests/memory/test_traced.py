@@ -51,7 +51,9 @@ def test_trace_leaves_the_model_as_it_was() -> None:
     model = tiny("llama").eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = [id(p) for p in model.parameters()]
-    estimate(model, device="cpu", batch_size=B, seq_len=S, recompute="full")
+    rng = torch.get_rng_state()
+    estimate(model, device="cuda", batch_size=B, seq_len=S, recompute="full")
+    assert torch.equal(torch.get_rng_state(), rng)
     assert [id(p) for p in model.parameters()] == ids
     assert not model.training and all(not m.training for m in model.modules())
     assert all("forward" not in m.__dict__ for m in model.modules())

@@ -30,7 +30,7 @@ from flashckpt.memory.estimate import OPTIMIZER_IMPLS, OPTIMIZERS
 from flashckpt.memory.gpus import GPU
 from flashckpt.memory.hf import build_hf_model, hf_config, transformers_available
 from flashckpt.memory.recompute import RecomputePlan
-from flashckpt.memory.sizing import FormulaSizer, TracedSizer
+from flashckpt.memory.sizing import FormulaSizer, TracedSizer, largest_batch
 from flashckpt.memory.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -198,18 +198,8 @@ def _recompute(
 
 
 def _largest(sizer: Sizer, gpu_bytes: int, dims: dict[str, Any], recompute: Any) -> int | None:
-    def fits(b: int) -> bool:
-        return sizer.estimate(**(dims | {"batch_size": b, "recompute": recompute})).fits(gpu_bytes)
-
-    if not fits(1):
-        return None
-    lo, hi = 1, 2
-    while hi <= 1 << 16 and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    opts = {k: v for k, v in dims.items() if k != "batch_size"} | {"recompute": recompute}
+    return largest_batch(sizer, lambda est: est.fits(gpu_bytes), **opts)
 
 
 def _largest_batch(

@@ -2,8 +2,9 @@
 
 Choose a subset of items ``(saving, cost, index)`` whose savings sum to at least ``need`` at
 the least total cost (ties: fewer items). Depth-first branch and bound: items in order of cost
-per byte saved, a node is cut when its lower bound — the cost of the LP relaxation (greedy with
-one fractional item) and the fewest items that could still cover — cannot beat the incumbent.
+per byte saved, a node is cut when its lower bound cannot beat the incumbent: the larger of the
+LP relaxation's cost (greedy, one fractional item) and (items still needed, at least
+``need / largest saving``) x (cheapest item); on a cost tie, the fewest items that cover.
 Exact like the dynamic program it replaces, and fast on uneven sizes where that program's
 Pareto frontier grows exponentially (200 blocks: see benchmarks/memory_accuracy.py --planner).
 """
@@ -27,8 +28,12 @@ class _Search:
         self.index = [it[2] for it in order]
         n = len(order)
         self.suffix = [0] * (n + 1)
+        self.max_sav = [0] * (n + 1)  # largest saving among items k.. (count bound)
+        self.min_cost = [math.inf] * (n + 1)  # cheapest item among items k.. (cost bound)
         for i in range(n - 1, -1, -1):
             self.suffix[i] = self.suffix[i + 1] + self.sav[i]
+            self.max_sav[i] = max(self.max_sav[i + 1], self.sav[i])
+            self.min_cost[i] = min(self.min_cost[i + 1], self.cost[i])
         self.prefix_sav = list(itertools.accumulate(self.sav, initial=0))
         self.prefix_cost = list(itertools.accumulate(self.cost, initial=0.0))
         self.by_saving = sorted(range(n), key=lambda i: -self.sav[i])
@@ -70,7 +75,9 @@ class _Search:
             return
         if k == len(self.sav) or self.suffix[k] < need:
             return
-        bound = cost + self._lp_cost(k, need)
+        # at least ceil(need / largest saving) more items, each at least the cheapest one's cost
+        more = -(-need // self.max_sav[k])
+        bound = cost + max(self._lp_cost(k, need), more * self.min_cost[k])
         tol = _REL * max(1.0, abs(self.best_cost))
         if bound > self.best_cost + tol:
             return

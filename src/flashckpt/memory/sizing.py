@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -53,12 +54,18 @@ class FormulaSizer:
         return shape_profile(self.shape, tflops=tflops, **(self.base | options))
 
 
-def _extrapolate(one: TracedStep, two: TracedStep, batch: int) -> TracedStep:
-    """The step at ``batch`` from steps at batch 1 and 2 (per phase, per category, linear)."""
+def _extrapolate(one: TracedStep, two: TracedStep, batch: float) -> TracedStep:
+    """The step at ``batch`` on the line through steps at 1 and 2 (per phase and category)."""
     at_peak = {}
     for phase, row in one.at_peak.items():
         other = two.at_peak[phase]
-        at_peak[phase] = {k: max(0, v + (other[k] - v) * (batch - 1)) for k, v in row.items()}
+        line = {k: v + (other[k] - v) * (batch - 1) for k, v in row.items()}
+        # the moment of the peak may differ between the two traces, so one category can shrink
+        # while another grows: keep the sum on the line, no category below zero
+        rest = line["activations"] + line["logits"]
+        line["logits"] = min(max(0, line["logits"]), max(0, rest))
+        line["activations"] = rest - line["logits"]
+        at_peak[phase] = {k: int(max(0, v) if k != "activations" else v) for k, v in line.items()}
     peaks = {phase: sum(row.values()) for phase, row in at_peak.items()}
     return dataclasses.replace(one, peaks=peaks, at_peak=at_peak)
 
@@ -88,14 +95,26 @@ class TracedSizer:
     def traces(self) -> int:
         return len(self._traces)
 
-    def estimate(self, **options: Any) -> MemoryEstimate:
+    def estimate(self, *, exact: bool = False, **options: Any) -> MemoryEstimate:
+        """The estimate at ``batch_size``: traced if ``exact`` (or batch <= 2), else on the line
+        through the two traced batches nearest to it (the peak is convex in the batch, so a
+        line outside its points is low: :func:`largest_batch` confirms by tracing)."""
         merged = self.base | options
         opts = EstimateOptions(**merged)
         batch, recompute = opts.batch_size, opts.recompute
-        if (batch, _plan_key(recompute)) in self._traces or batch <= 2:
+        if exact or (batch, _plan_key(recompute)) in self._traces or batch <= 2:
             traced = self._trace(batch, recompute)
         else:
-            traced = _extrapolate(self._trace(1, recompute), self._trace(2, recompute), batch)
+            self._trace(1, recompute), self._trace(2, recompute)
+            have = sorted(
+                (abs(b - batch), b) for b, key in self._traces if key == _plan_key(recompute)
+            )
+            lo, hi = sorted(b for _, b in have[:2])
+            one, two = (
+                self._traces[(lo, _plan_key(recompute))],
+                self._traces[(hi, _plan_key(recompute))],
+            )
+            traced = _extrapolate(one, two, (batch - lo) / (hi - lo) + 1)
         return traced_estimate(traced, opts, layer_params=max(self.block_params, default=0))
 
     def profile(self, *, tflops: float, utilization: float = 0.4, **options: Any) -> ModelProfile:
@@ -132,6 +151,38 @@ class TracedSizer:
         out = profile_blocks(self.model, opts, device=self.device, blocks=self.blocks)
         log.debug("profiled %d blocks in %.1f s", len(out), time.perf_counter() - start)
         return out
+
+
+def largest_batch(
+    sizer: FormulaSizer | TracedSizer,
+    fits: Callable[[MemoryEstimate], bool],
+    *,
+    max_batch: int = 1 << 16,
+    **options: Any,
+) -> int | None:
+    """The largest batch whose estimate ``fits`` (None if batch 1 does not); for a traced
+    sizer the answer is confirmed by tracing it and the next batch, re-searching if needed."""
+
+    def ok(b: int, exact: bool = False) -> bool:
+        if isinstance(sizer, TracedSizer):
+            return fits(sizer.estimate(batch_size=b, exact=exact, **options))
+        return fits(sizer.estimate(batch_size=b, **options))
+
+    if not ok(1):
+        return None
+    for _ in range(6):
+        lo, hi = 1, 2
+        while hi <= max_batch and ok(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, max_batch + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        if not isinstance(sizer, TracedSizer):
+            return lo
+        if ok(lo, exact=True) and (lo >= max_batch or not ok(lo + 1, exact=True)):
+            return lo  # both traced: exact
+    return lo
 
 
 def sizer_for(model: Any, **base: Any) -> FormulaSizer | TracedSizer:

@@ -234,8 +234,10 @@ HF_GPU = [  # (family, width, batch, seq, recompute, micro-batches): traced on f
     ("gpt2", 768, 8, 1024, None, 1),
     ("gpt2", 768, 8, 1024, "full", 1),
     ("gpt2", 768, 4, 1024, None, 2),
+    ("gpt2", 1024, 8, 1024, None, 1),
     ("llama", 2048, 2, 2048, None, 1),
     ("llama", 2048, 2, 2048, "full", 2),
+    ("llama", 2048, 4, 2048, None, 1),
     ("mixtral", 1024, 2, 1024, None, 1),
     ("gemma", 1024, 2, 1024, None, 1),
     ("gemma", 1024, 2, 1024, "full", 1),
@@ -437,7 +439,7 @@ def planner_timing(n: int = 200, seed: int = 0) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="memory_accuracy.json", help="JSON results path")
-    parser.add_argument("--time-limit-s", type=float, default=80.0)
+    parser.add_argument("--time-limit-s", type=float, default=240.0)
     parser.add_argument("--cpu", action="store_true", help="traced vs real on CPU (HF models)")
     parser.add_argument("--planner", action="store_true", help="time plan_recompute, 200 blocks")
     args = parser.parse_args(argv)

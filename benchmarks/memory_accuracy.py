@@ -1,12 +1,19 @@
-"""Accuracy of flashckpt.memory.estimate against torch.cuda.max_memory_allocated.
+"""Accuracy of flashckpt.memory.estimate: traced vs real on CPU, vs the GPU, and planner speed.
 
-For GPT-2 small/medium and a Llama-style block stack, at several batch sizes, with and
-without a recompute plan, run real bf16-mixed (autocast) training steps (forward, backward,
-fused AdamW step) and compare the measured peak with the estimate's ``allocated_peak_bytes``.
-Prints a markdown table and writes JSON to ``--out``. Needs one CUDA GPU; about a minute on
-an H200. The model definitions below are also used by tests/memory on CPU.
+Three modes, each runnable alone:
 
-    python benchmarks/memory_accuracy.py --out memory_accuracy.json
+* ``--cpu`` (no GPU needed): Hugging Face GPT-2 (gelu_new, dropout on/off), Llama (GQA,
+  SwiGLU), Mixtral-style MoE and Gemma-style (head_dim != hidden/heads) models, with and
+  without a recompute plan and with 2 micro-batches: the traced estimate (one step on fake
+  tensors) against the same step on real CPU tensors, metered by the same live-bytes meter.
+* ``--planner``: ``plan_recompute`` on 200 blocks of uneven sizes (exact), timed.
+* default (one CUDA GPU): GPT-2 small/medium and a Llama-style stack of this file's own model
+  (formula path) and the HF models (traced path, fake CUDA tensors), real bf16-mixed steps,
+  estimate ``allocated_peak_bytes`` vs ``torch.cuda.max_memory_allocated``.
+
+    python benchmarks/memory_accuracy.py --cpu --out memory_cpu.json
+    python benchmarks/memory_accuracy.py --planner
+    python benchmarks/memory_accuracy.py --out memory_accuracy.json      # on a GPU
 """
 
 from __future__ import annotations
@@ -223,6 +230,80 @@ def measure(shape: TransformerShape, batch: int, seq: int, recompute: bool) -> d
     return row
 
 
+HF_GPU = [  # (family, width, batch, seq, recompute, micro-batches): traced on fake CUDA tensors
+    ("gpt2", 768, 8, 1024, None, 1),
+    ("gpt2", 768, 8, 1024, "full", 1),
+    ("gpt2", 768, 4, 1024, None, 2),
+    ("gpt2", 1024, 8, 1024, None, 1),
+    ("llama", 2048, 2, 2048, None, 1),
+    ("llama", 2048, 2, 2048, "full", 2),
+    ("llama", 2048, 4, 2048, None, 1),
+    ("mixtral", 1024, 2, 1024, None, 1),
+    ("gemma", 1024, 2, 1024, None, 1),
+    ("gemma", 1024, 2, 1024, "full", 1),
+]
+
+
+def measure_hf(
+    name: str, width: int, batch: int, seq: int, recompute: Any, accum: int
+) -> dict[str, Any]:
+    """A real step of an HF model on the GPU (foreach AdamW, autocast) vs the traced estimate."""
+    import transformers
+
+    torch.manual_seed(0)
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    config = hf_config(name, {}, width=width)
+    model = transformers.AutoModelForCausalLM.from_config(config).cuda().train()
+    est = estimate(
+        model,
+        device="cuda",
+        batch_size=batch,
+        seq_len=seq,
+        recompute=recompute,
+        grad_accum=accum,
+    )
+    if recompute == "full":
+        from flashckpt.memory import RecomputePlan, find_blocks
+
+        names = tuple(find_blocks(model))
+        RecomputePlan(recompute=names, activation_bytes=0, recompute_s=0.0).apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+        for _ in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(model, opt, ids)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(model, opt, ids)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - baseline
+    row = {
+        "model": f"hf-{name}-{width}",
+        "batch": batch,
+        "seq": seq,
+        "recompute": f"{recompute or 'none'}, {accum} micro-batch(es)",
+        "estimate_bytes": est.allocated_peak_bytes,
+        "measured_bytes": measured,
+        "error": est.allocated_peak_bytes / measured - 1,
+        "method": "traced",
+    }
+    del model, opt, ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     gib = 1024**3
     lines = [
@@ -244,11 +325,142 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HF_CPU = [  # (name, config overrides, recompute, micro-batches)
+    ("gpt2", {}, None, 1),
+    ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, None, 1),
+    ("gpt2", {}, "full", 1),
+    ("gpt2", {}, None, 2),
+    ("llama", {}, None, 1),
+    ("llama", {}, "full", 1),
+    ("llama", {}, 2, 2),
+    ("mixtral", {}, None, 1),
+    ("mixtral", {}, "full", 2),
+    ("gemma", {}, None, 1),
+    ("gemma", {}, "full", 2),
+]
+
+
+def hf_config(name: str, overrides: dict[str, Any], width: int = 128) -> Any:
+    """A small HF config of each family (4 layers, hidden ``width``)."""
+    import transformers
+
+    llama = dict(
+        vocab_size=512,
+        hidden_size=width,
+        intermediate_size=3 * width,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    if name == "gpt2":
+        base = dict(n_layer=4, n_embd=width, n_head=4, vocab_size=512, n_positions=1024)
+        return transformers.GPT2Config(**(base | overrides))
+    if name == "llama":
+        return transformers.LlamaConfig(**(llama | overrides))
+    if name == "mixtral":
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
+        return transformers.MixtralConfig(**(llama | moe | overrides))
+    return transformers.GemmaConfig(**(llama | {"head_dim": 64} | overrides))
+
+
+def cpu_rows(batch: int = 2, seq: int = 128) -> list[dict[str, Any]]:
+    import transformers
+
+    from flashckpt.memory.measure import trace_model
+    from flashckpt.memory.options import EstimateOptions
+
+    rows = []
+    for name, over, rec, accum in HF_CPU:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(name, over))
+        opts = EstimateOptions(batch_size=batch, seq_len=seq, recompute=rec, grad_accum=accum)
+        start = time.perf_counter()
+        fake = trace_model(model, opts, device="cpu")
+        traced_s = time.perf_counter() - start
+        real = trace_model(model, opts, device="cpu", fake=False)
+        rows.append(
+            {
+                "model": name + ("-nodropout" if over else ""),
+                "batch": batch,
+                "seq": seq,
+                "recompute": str(rec or "none"),
+                "micro_batches": accum,
+                "estimate_bytes": fake.peak_bytes,
+                "measured_bytes": real.peak_bytes,
+                "error": fake.peak_bytes / real.peak_bytes - 1,
+                "peak_phase": fake.peak_phase,
+                "trace_s": traced_s,
+            }
+        )
+    return rows
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    mib = 1024**2
+    lines = [
+        "| HF model | batch x seq | recompute | micro-batches | traced MiB | real MiB | error "
+        "| peak in |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} x {r['seq']} | {r['recompute']} | "
+            f"{r['micro_batches']} | {r['estimate_bytes'] / mib:.2f} | "
+            f"{r['measured_bytes'] / mib:.2f} | {r['error']:+.2%} | {r['peak_phase']} |"
+        )
+    return "\n".join(lines)
+
+
+def planner_timing(n: int = 200, seed: int = 0) -> dict[str, Any]:
+    import random
+
+    from flashckpt.memory import BlockProfile, ModelProfile
+
+    rng = random.Random(seed)
+    blocks = [
+        BlockProfile(
+            name=f"b{i}",
+            activation_bytes=rng.randint(10**8, 10**9),
+            input_bytes=rng.randint(10**6, 10**7),
+            forward_s=rng.uniform(1e-3, 1e-2),
+        )
+        for i in range(n)
+    ]
+    prof = ModelProfile(blocks=blocks)
+    times = []
+    for frac in (0.25, 0.5, 0.75):
+        start = time.perf_counter()
+        plan = plan_recompute(prof, int(prof.activation_bytes * frac))
+        times.append(time.perf_counter() - start)
+    return {"blocks": n, "seconds": times, "last_plan_blocks": len(plan.recompute)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="memory_accuracy.json", help="JSON results path")
-    parser.add_argument("--time-limit-s", type=float, default=80.0)
+    parser.add_argument("--time-limit-s", type=float, default=240.0)
+    parser.add_argument("--cpu", action="store_true", help="traced vs real on CPU (HF models)")
+    parser.add_argument("--planner", action="store_true", help="time plan_recompute, 200 blocks")
     args = parser.parse_args(argv)
+    if args.planner:
+        result = planner_timing()
+        print(
+            f"plan_recompute, {result['blocks']} uneven blocks, budgets 25/50/75%: "
+            + ", ".join(f"{t:.3f} s" for t in result["seconds"])
+        )
+        return 0 if max(result["seconds"]) < 1.0 else 1
+    if args.cpu:
+        rows = cpu_rows()
+        print(f"CPU, torch {torch.__version__}")
+        print(cpu_table(rows))
+        worst = max(abs(r["error"]) for r in rows)
+        print(f"\nworst |error| {worst:.2%} over {len(rows)} steps")
+        with open(args.out, "w") as fh:
+            json.dump(
+                {"meta": {"torch": torch.__version__, "worst": worst}, "rows": rows}, fh, indent=1
+            )
+        return 0 if worst <= 0.02 else 1
     if not torch.cuda.is_available():
         print("memory_accuracy: needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
         return 2
@@ -256,6 +468,22 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     jobs = [(s, b, q, False) for s, bs, _, q in CONFIGS for b in bs]
     jobs += [(s, rb, q, True) for s, _, rb, q in CONFIGS]
+    for job in HF_GPU:
+        if time.perf_counter() - start > args.time_limit_s:
+            break
+        try:
+            rows.append(measure_hf(*job))
+        except Exception as exc:  # record and go on: one shot on the GPU
+            traceback.print_exc()
+            rows.append(
+                {
+                    "model": f"hf-{job[0]}",
+                    "batch": job[2],
+                    "seq": job[3],
+                    "recompute": str(job[4]),
+                    "error_text": repr(exc),
+                }
+            )
     for shape, batch, seq, rec in jobs:
         if time.perf_counter() - start > args.time_limit_s:
             print(f"time limit reached; skipping {shape.name} b={batch}", file=sys.stderr)

@@ -75,3 +75,19 @@ def test_other_errors_propagate_and_bad_arguments() -> None:
         max_batch_size(budget_bytes=100)
     with pytest.raises(ConfigError, match="budget_bytes"):
         max_batch_size("gpt2", budget_bytes="lots", seq_len=8)
+
+
+def test_model_max_batch_of_a_hf_model_is_confirmed_by_traces() -> None:
+    """A traced model's largest batch: sized on a line between traces, then confirmed by
+    tracing the answer and the next batch (the peak is convex in the batch: a line through
+    batch 1 and 2 is low at batch 5 for this model, whose backward peak moves)."""
+    from hf_tiny import model as tiny
+
+    model = tiny("llama")
+
+    def peak(b: int) -> int:
+        return estimate(model, device="cpu", batch_size=b, seq_len=16).peak_bytes
+
+    budget = peak(6) + (peak(7) - peak(6)) // 2
+    b = model_max_batch_size(model, budget_bytes=budget, device="cpu", seq_len=16)
+    assert b == 6

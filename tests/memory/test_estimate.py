@@ -93,8 +93,11 @@ def test_estimate_breakdown_and_phase_aware_peak() -> None:
     est = estimate("gpt2", batch_size=8, seq_len=1024)
     assert tuple(est.breakdown) == BREAKDOWN_KEYS
     assert est.total_bytes == sum(est.breakdown.values())
-    # gradients and activations are never both at full size: the peak leaves one out
-    assert est.peak_bytes == est.total_bytes - est.breakdown["grads"]
+    # gradients (and the optimizer step's temporary) and activations are never both at full
+    # size: the peak leaves them out
+    left_out = est.breakdown["grads"] + est.breakdown["optimizer_temp"]
+    assert est.peak_bytes == est.total_bytes - left_out
+    assert est.method == "formula"
     assert est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
     bigger = estimate("gpt2", batch_size=16, seq_len=1024)
     assert bigger.breakdown["activations"] > 1.9 * est.breakdown["activations"]
@@ -152,7 +155,7 @@ def test_shape_from_hf_configs_and_meta_module() -> None:
         model = transformers.GPT2LMHeadModel(small)
     est = estimate(model, batch_size=2, seq_len=64)
     assert est.num_params == sum(p.numel() for p in model.parameters())
-    assert est.shape.layers == 2
+    assert est.method == "traced" and est.shape is not None and est.shape.layers == 2
 
 
 def test_shape_validation() -> None:
@@ -167,3 +170,85 @@ def test_shape_validation() -> None:
 def test_options_validate_fragmentation() -> None:
     with pytest.raises(ConfigError, match="fragmentation_fraction"):
         EstimateOptions(batch_size=1, seq_len=1, fragmentation_fraction=1.5)
+
+
+MIXTRAL_8X7B = {
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def test_mixtral_config_is_refused_not_read_as_a_dense_7b() -> None:
+    """Issue 15: a Mixtral-8x7B config.json was read as a dense 7.24B model (true 46.7B)."""
+    with pytest.raises(ConfigError, match=r"mixture of experts.*traces"):
+        shape_from_hf_config(MIXTRAL_8X7B)
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        estimate(MIXTRAL_8X7B, batch_size=1, seq_len=8)
+
+
+def test_gemma_config_head_dim_is_refused_not_sized_29_percent_low() -> None:
+    gemma = {
+        "model_type": "gemma",
+        "hidden_size": 3072,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "vocab_size": 256000,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    with pytest.raises(ConfigError, match="head_dim=256"):
+        shape_from_hf_config(gemma)
+    gemma_2b = gemma | {"hidden_size": 2048, "num_attention_heads": 8, "head_dim": 256}
+    with pytest.raises(ConfigError, match="model_type='gemma'"):  # gated GELU, tied head
+        shape_from_hf_config(gemma_2b)
+
+
+def test_llama_config_without_tie_key_is_untied_like_transformers() -> None:
+    llama = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("num_local_experts",)}
+    llama = llama | {"model_type": "llama"}
+    del llama["tie_word_embeddings"]  # LlamaConfig's default: untied
+    assert not shape_from_hf_config(llama).tied_embeddings
+
+
+def test_formula_model_terms_foreach_accumulation_and_fp32_logits() -> None:
+    """Issue 15: foreach AdamW's temporary, fp32 grads kept by accumulation, fp32 loss."""
+    shape = shape_by_name("gpt2")
+    psi = shape.num_params
+    kw = dict(batch_size=1, seq_len=128)
+    foreach = estimate(shape, **kw)
+    fused = estimate(shape, optimizer_impl="fused", **kw)
+    assert foreach.breakdown["optimizer_temp"] == 4 * psi and fused.breakdown["optimizer_temp"] == 0
+    # when the step is the peak: 2 + 4 + 8 + 2 (+ 4 foreach) = 20 bytes/param
+    step = foreach.phase_peaks["optimizer"] - 64 * 2**20
+    assert step == 20 * psi
+    one = estimate(shape, batch_size=4, seq_len=1024)
+    two = estimate(shape, batch_size=4, seq_len=1024, grad_accum=2)
+    assert two.phase_peaks["forward_backward"] - one.phase_peaks["forward_backward"] == 4 * psi
+    bf16 = estimate(shape, batch_size=4, seq_len=1024, precision="bf16")
+    assert bf16.breakdown["logits"] == 3 * 4 * 4 * 1024 * shape.vocab  # HF's loss upcasts
+
+
+def test_formula_lora_8bit_and_offload() -> None:
+    shape = shape_by_name("llama-2-7b")
+    psi = shape.num_params
+    kw = dict(batch_size=1, seq_len=512)
+    lora = estimate(shape, trainable_fraction=0.01, **kw)
+    assert lora.breakdown["params"] == 2 * psi
+    assert lora.breakdown["optimizer"] == pytest.approx(0.01 * 8 * psi, rel=1e-6)
+    eight = estimate(shape, optimizer="adamw-8bit", **kw)
+    assert eight.breakdown["optimizer"] == pytest.approx(2.03125 * psi, rel=1e-6)
+    off = estimate(shape, optimizer_offload=True, **kw)
+    assert off.breakdown["optimizer"] == off.breakdown["master_weights"] == 0
+    assert off.breakdown["optimizer_temp"] == 0

@@ -189,3 +189,58 @@ def test_apply_gives_bitwise_identical_grads_and_keeps_state_dict_keys() -> None
         evaluate_plan(prof, ["layers.0"]).__class__(
             recompute=("nope",), activation_bytes=0, recompute_s=0.0
         ).apply(model)
+
+
+def _brute_force_fewest(prof: ModelProfile, budget: int) -> tuple[float, int] | None:
+    best = None
+    for r in range(len(prof.block_names) + 1):
+        for subset in itertools.combinations(prof.block_names, r):
+            plan = evaluate_plan(prof, subset)
+            key = (round(plan.recompute_s, 9), r)
+            if plan.activation_bytes <= budget and (best is None or key < best):
+                best = key
+    return best
+
+
+def test_planner_exact_on_uneven_sizes_and_zero_costs() -> None:
+    """The branch-and-bound planner against brute force: uneven byte sizes (the case where the
+    old Pareto DP took seconds at 100 blocks), and meta profiles whose costs are all zero
+    (then the fewest blocks must win)."""
+    rng = random.Random(99)
+    for trial in range(80):
+        n = rng.randint(1, 9)
+        blocks = [
+            BlockProfile(
+                name=f"b{i}",
+                activation_bytes=rng.randint(10**6, 10**9),
+                input_bytes=rng.randint(1, 10**7),
+                forward_s=0.0 if trial % 3 == 0 else rng.uniform(1e-4, 1e-2),
+            )
+            for i in range(n)
+        ]
+        prof = ModelProfile(blocks=blocks, other_activation_bytes=rng.randint(0, 10**7))
+        budget = rng.randint(prof.activation_bytes // 4, prof.activation_bytes)
+        want = _brute_force_fewest(prof, budget)
+        if want is None:
+            with pytest.raises(MemoryPlanError):
+                plan_recompute(prof, budget)
+            continue
+        plan = plan_recompute(prof, budget)
+        assert plan.activation_bytes <= budget
+        assert (round(plan.recompute_s, 9), len(plan.recompute)) == want
+
+
+def test_planner_on_many_identical_blocks_takes_the_fewest() -> None:
+    """Identical blocks (every shape_profile) made the first branch and bound explore every
+    symmetric subset; the count-aware bound cuts them. 48 blocks: brute force is out of reach,
+    the optimum is known: ceil(need / saving per block) blocks."""
+    blocks = [
+        BlockProfile(name=f"l{i}", activation_bytes=1000, input_bytes=37, forward_s=0.01)
+        for i in range(48)
+    ]
+    prof = ModelProfile(blocks=blocks, other_activation_bytes=11)
+    for budget in (30_000, 24_011, 17_777):
+        need = prof.activation_bytes + 1000 - budget  # the largest recomputed block stays live
+        plan = plan_recompute(prof, budget)
+        assert len(plan.recompute) == -(-need // (1000 - 37))
+        assert plan.activation_bytes <= budget

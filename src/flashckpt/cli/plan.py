@@ -1,4 +1,10 @@
-"""``flashckpt plan``: will a model, batch and sequence length fit on a GPU; if not, what then."""
+"""``flashckpt plan``: will a model, batch and sequence length fit on a GPU; if not, what then.
+
+With transformers installed, a catalog name or a Hugging Face ``config.json`` is built on the
+meta device and *traced* (one real training step on fake tensors); otherwise, or with
+``--method formula``, the closed forms answer. Every answer below the breakdown (recompute
+plan, preallocation, largest batch, fewest GPUs) comes from the same sizer.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +12,31 @@ import argparse
 import logging
 from typing import Any
 
+from flashckpt.errors import ConfigError
 from flashckpt.memory import (
     PRECISIONS,
     MemoryEstimate,
     MemoryPlanError,
-    estimate,
     every_k_plan,
     gpu_by_name,
     known_gpus,
     known_shapes,
-    model_max_batch_size,
     plan_recompute,
     recommend_allocator_settings,
     resolve_shape,
-    shape_profile,
     sqrt_plan,
 )
-from flashckpt.memory.estimate import OPTIMIZERS
+from flashckpt.memory.estimate import OPTIMIZER_IMPLS, OPTIMIZERS
 from flashckpt.memory.gpus import GPU
+from flashckpt.memory.hf import build_hf_model, hf_config, transformers_available
 from flashckpt.memory.recompute import RecomputePlan
+from flashckpt.memory.sizing import FormulaSizer, TracedSizer, largest_batch
 from flashckpt.memory.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
 MAX_GPUS = 4096
+Sizer = FormulaSizer | TracedSizer
 
 
 def register(subparsers: Any) -> None:
@@ -46,29 +53,90 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS)
+    p.add_argument("--optimizer-offload", action="store_true", help="optimizer state on CPU")
+    p.add_argument("--trainable-fraction", type=float, default=1.0, help="e.g. 0.01 for LoRA")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dropout", choices=("on", "off"), default=None, help="default: the config's")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (FSDP=3)")
     p.add_argument("--world-size", type=int, default=None, help="GPUs in the job (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (formula only)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    p.add_argument("--no-flash-attention", action="store_true", help="eager attention (s^2 memory)")
+    p.add_argument("--no-flash-attention", action="store_true", help="eager attention (formula)")
+    p.add_argument("--method", default="auto", choices=("auto", "traced", "formula"))
     p.add_argument("--gpu-memory", default=None, help="override the GPU's memory, e.g. 20GiB")
     p.add_argument("--gpu-hour-price", type=float, default=None, help="USD per GPU-hour")
     p.set_defaults(func=run)
 
 
-def _options(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
-    opts = {
+def _base(args: argparse.Namespace, traced: bool) -> dict[str, Any]:
+    base = {
         "seq_len": args.seq,
         "precision": args.precision,
         "optimizer": args.optimizer,
-        "zero_stage": args.zero,
-        "world_size": args.world_size or args.tp,
-        "tensor_parallel": args.tp,
-        "sequence_parallel": args.sp,
-        "flash_attention": not args.no_flash_attention,
+        "optimizer_impl": args.optimizer_impl,
+        "optimizer_offload": args.optimizer_offload,
+        "grad_accum": args.grad_accum,
+        "trainable_fraction": args.trainable_fraction,
     }
-    opts.update(overrides)
-    return opts
+    if not traced:  # the traced model carries its own attention kernel and dropout
+        base |= {
+            "tensor_parallel": args.tp,
+            "sequence_parallel": args.sp,
+            "flash_attention": not args.no_flash_attention,
+            "dropout": args.dropout == "on",
+        }
+    return base
+
+
+def _why_not_traced(args: argparse.Namespace) -> str | None:
+    if args.method == "formula":
+        return "--method formula"
+    if not transformers_available():
+        return "transformers is not installed"
+    if args.tp > 1 or args.sp:
+        return "tensor parallelism is not traced"
+    if args.trainable_fraction != 1.0:
+        return "--trainable-fraction is a formula option"
+    return None
+
+
+def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
+    why = _why_not_traced(args)
+    if why is None:
+        try:
+            dropout = None if args.dropout is None else args.dropout == "on"
+            model = build_hf_model(hf_config(args.model), dropout=dropout)
+            sizer = TracedSizer(model, **_base(args, traced=True))
+            return sizer, "traced: one real training step of the HF model on fake tensors"
+        except ConfigError as exc:
+            if args.method == "traced":
+                raise
+            why = f"cannot build the model ({exc})"
+    if args.method == "traced":
+        raise ConfigError(f"--method traced is not possible here: {why}")
+    formula = FormulaSizer(resolve_shape(args.model), **_base(args, traced=False))
+    return formula, f"formula estimate (closed forms; {why})"
+
+
+def _header(args: argparse.Namespace, sizer: Sizer, gpu: GPU, gpu_bytes: int, how: str) -> str:
+    world = args.world_size or args.tp
+    if isinstance(sizer, TracedSizer):
+        params = sum(p.numel() for p in sizer.model.parameters())
+        cfg: Any = sizer.model.config
+        desc = f"{cfg.model_type}, {len(sizer.blocks)} blocks, vocab {cfg.vocab_size}"
+    else:
+        shape = sizer.shape
+        params = shape.num_params
+        desc = f"{shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}"
+        desc += f", vocab {shape.vocab}"
+    return (
+        f"{args.model}: {params / 1e9:.2f}B params, {desc}\n"
+        f"{gpu.label} ({format_bytes(gpu_bytes)}); batch {args.batch} x seq {args.seq}"
+        f"{f' x {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}; "
+        f"{args.precision}, {args.optimizer} ({args.optimizer_impl}), ZeRO-{args.zero}, "
+        f"{world} GPU(s), tp {args.tp}\n{how}"
+    )
 
 
 def _breakdown(est: MemoryEstimate, memory_bytes: int) -> list[str]:
@@ -79,38 +147,39 @@ def _breakdown(est: MemoryEstimate, memory_bytes: int) -> list[str]:
     lines.append(
         f"  {'peak (phase-aware)':<22}{format_bytes(est.peak_bytes):>12}  {verdict} ({tail})"
     )
+    lines += [f"  note: {note}" for note in est.notes]
     return lines
 
 
-def _recompute(
-    shape: Any, args: argparse.Namespace, est: MemoryEstimate, gpu_bytes: int
-) -> list[str]:
-    opts = _options(args, batch_size=args.batch)
-    prof = shape_profile(shape, **opts)
+def _find_plan(
+    sizer: Sizer, est: MemoryEstimate, gpu: GPU, gpu_bytes: int, dims: dict[str, Any]
+) -> tuple[RecomputePlan | None, MemoryEstimate | None, Any, str]:
+    """The cheapest plan whose whole step fits, checked by the sizer; or why there is none."""
+    prof = sizer.profile(tflops=gpu.bf16_tflops, **dims)
     frag = est.options.fragmentation_fraction
     budget = est.breakdown["activations"] - int((est.peak_bytes - gpu_bytes) / (1 + frag))
-    lines = ["", "recompute (activation checkpointing, per block)"]
-    plan: RecomputePlan | None = None
     if budget <= prof.other_activation_bytes:
-        static = est.peak_bytes - est.breakdown["activations"] - est.breakdown["logits"]
-        return [
-            *lines,
-            f"  recompute cannot help: model states, logits and slack alone need about "
-            f"{format_bytes(static + est.breakdown['logits'])}; use ZeRO-3/more GPUs (see below)",
-        ]
-    for _ in range(8):  # shrink the budget until the whole step fits
+        return None, None, prof, "recompute cannot help: model states and logits alone do not fit"
+    tries = 4 if isinstance(sizer, TracedSizer) else 8
+    for _ in range(tries):  # shrink the budget until the whole step fits
         try:
             plan = plan_recompute(prof, max(budget, 0))
         except MemoryPlanError as exc:
-            return [*lines, f"  no plan fits: {exc}"]
-        if estimate(shape, recompute=plan, **opts).fits(gpu_bytes):
-            break
-        budget -= max(1, prof.blocks[0].activation_bytes // 4)
-    if plan is None:  # unreachable: the loop runs at least once
-        return lines
-    with_plan = estimate(shape, recompute=plan, **opts)
-    if not with_plan.fits(gpu_bytes):
-        return [*lines, "  even recomputing every block does not fit; shard or use more GPUs"]
+            return None, None, prof, f"no plan fits: {exc}"
+        with_plan = sizer.estimate(recompute=plan, **dims)
+        if with_plan.fits(gpu_bytes):
+            return plan, with_plan, prof, ""
+        budget -= max(1, prof.blocks[0].activation_bytes // 2, with_plan.peak_bytes - gpu_bytes)
+    return None, None, prof, "even the smallest plan tried does not fit; shard or use more GPUs"
+
+
+def _recompute(
+    sizer: Sizer, est: MemoryEstimate, gpu: GPU, gpu_bytes: int, dims: dict[str, Any]
+) -> tuple[list[str], RecomputePlan | None, MemoryEstimate | None]:
+    lines = ["", "recompute (activation checkpointing, per block)"]
+    plan, with_plan, prof, why = _find_plan(sizer, est, gpu, gpu_bytes, dims)
+    if plan is None or with_plan is None:
+        return [*lines, f"  {why}"], None, None
     share = plan.recompute_s / prof.forward_s if prof.forward_s else 0.0
     names = ", ".join(plan.recompute[:6]) + (" ..." if len(plan.recompute) > 6 else "")
     lines.append(f"  recompute {len(plan.recompute)} of {len(prof.blocks)} blocks: {names}")
@@ -119,27 +188,37 @@ def _recompute(
     )
     lines.append(f"  peak with plan: {format_bytes(with_plan.peak_bytes)}  FITS")
     for base in (every_k_plan(prof, k=2), sqrt_plan(prof)):
-        ok = "fits" if base.activation_bytes <= plan.activation_bytes else "too big"
+        whole = sizer.estimate(recompute=base, **dims)
+        ok = "fits" if whole.fits(gpu_bytes) else "does not fit"
         lines.append(
             f"  baseline {base.method:<8} {len(base.recompute):>3} blocks, "
-            f"+{base.recompute_s * 1e3:.1f} ms, "
-            f"activations {format_bytes(base.activation_bytes)} ({ok})"
+            f"+{base.recompute_s * 1e3:.1f} ms, peak {format_bytes(whole.peak_bytes)} ({ok})"
         )
-    return lines
+    return lines, plan, with_plan
 
 
-def _largest_batch(shape: Any, args: argparse.Namespace, gpu_bytes: int) -> list[str]:
+def _largest(sizer: Sizer, gpu_bytes: int, dims: dict[str, Any], recompute: Any) -> int | None:
+    opts = {k: v for k, v in dims.items() if k != "batch_size"} | {"recompute": recompute}
+    return largest_batch(sizer, lambda est: est.fits(gpu_bytes), **opts)
+
+
+def _largest_batch(
+    sizer: Sizer, gpu_bytes: int, dims: dict[str, Any], plan: RecomputePlan | None
+) -> list[str]:
     lines = ["", "largest batch per GPU that fits"]
-    for label, rec in (("no recompute", None), ("full recompute", "full")):
-        try:
-            b = model_max_batch_size(shape, budget_bytes=gpu_bytes, **_options(args, recompute=rec))
-            lines.append(f"  {label:<16}{b}")
-        except MemoryPlanError:
-            lines.append(f"  {label:<16}none (batch 1 does not fit)")
+    rows: list[tuple[str, Any]] = [("no recompute", None)]
+    if plan is not None:
+        rows.append((f"plan above ({len(plan.recompute)})", plan))
+    rows.append(("full recompute", "full"))
+    for label, rec in rows:
+        b = _largest(sizer, gpu_bytes, dims, rec)
+        lines.append(f"  {label:<20}{b if b is not None else 'none (batch 1 does not fit)'}")
     return lines
 
 
-def _fewest_gpus(shape: Any, args: argparse.Namespace, gpu: GPU, gpu_bytes: int) -> list[str]:
+def _fewest_gpus(
+    sizer: Sizer, args: argparse.Namespace, gpu: GPU, gpu_bytes: int, dims: dict[str, Any]
+) -> list[str]:
     price = args.gpu_hour_price if args.gpu_hour_price is not None else gpu.usd_per_hour
     note = "" if args.gpu_hour_price is not None else " (typical list price)"
     lines = [
@@ -147,54 +226,76 @@ def _fewest_gpus(shape: Any, args: argparse.Namespace, gpu: GPU, gpu_bytes: int)
         f"fewest {gpu.name} GPUs that fit, batch {args.batch}/GPU, ${price:.2f}/GPU-h{note}",
     ]
     for stage in (0, 1, 2, 3):
-
-        def fits(n: int, stage: int = stage) -> bool:
-            opts = _options(args, batch_size=args.batch, zero_stage=stage, world_size=n * args.tp)
-            return estimate(shape, **opts).fits(gpu_bytes)
-
-        if not fits(MAX_GPUS // args.tp):
-            lines.append(f"  ZeRO-{stage}: does not fit on up to {MAX_GPUS} GPUs")
+        found = _fewest(sizer, args, stage, gpu_bytes, dims)
+        if found is None:
+            lines.append(f"  ZeRO-{stage}: does not fit on up to {MAX_GPUS} GPUs, even recomputed")
             continue
-        lo, hi = 0, MAX_GPUS // args.tp  # fits(hi); find the smallest
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        n = hi * args.tp
-        lines.append(f"  ZeRO-{stage}: {n:>5} GPU(s)  ${n * price:,.2f}/h")
+        n, rec = found
+        how = "" if rec is None else "  (recompute every block)"
+        lines.append(f"  ZeRO-{stage}: {n:>5} GPU(s)  ${n * price:,.2f}/h{how}")
     return lines
 
 
+def _fewest(
+    sizer: Sizer, args: argparse.Namespace, stage: int, gpu_bytes: int, dims: dict[str, Any]
+) -> tuple[int, Any] | None:
+    """Smallest GPU count (and the recompute it needs: None, else 'full') that fits."""
+    best: tuple[int, Any] | None = None
+    for rec in (None, "full"):
+
+        def fits(n: int, rec: Any = rec) -> bool:
+            opts = dims | {"zero_stage": stage, "world_size": n * args.tp, "recompute": rec}
+            return sizer.estimate(**opts).fits(gpu_bytes)
+
+        top = MAX_GPUS // args.tp
+        if not fits(top):
+            continue
+        lo, hi = 0, top  # fits(hi); find the smallest
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        if best is None or hi * args.tp < best[0]:
+            best = (hi * args.tp, rec)
+    return best
+
+
 def run(args: argparse.Namespace) -> int:
-    shape = resolve_shape(args.model)
     gpu = gpu_by_name(args.gpu)
     gpu_bytes = (
         parse_bytes(args.gpu_memory, name="--gpu-memory") if args.gpu_memory else gpu.memory_bytes
     )
-    est = estimate(shape, **_options(args, batch_size=args.batch))
+    sizer, how = _sizer(args)
     world = args.world_size or args.tp
-    print(
-        f"{shape.name or args.model}: {shape.num_params / 1e9:.2f}B params, {shape.layers} layers, "
-        f"hidden {shape.hidden}, heads {shape.heads}, vocab {shape.vocab}"
-    )
-    print(
-        f"{gpu.label} ({format_bytes(gpu_bytes)}); batch {args.batch} x seq {args.seq}; "
-        f"{args.precision}, {args.optimizer}, ZeRO-{args.zero}, {world} GPU(s), tp {args.tp}"
-    )
+    dims = {"batch_size": args.batch, "zero_stage": args.zero, "world_size": world}
+    est = sizer.estimate(**dims)
+    print(_header(args, sizer, gpu, gpu_bytes, how))
     print("\nmemory per GPU")
     lines = _breakdown(est, gpu_bytes)
-    if not est.fits(gpu_bytes):
-        lines += _recompute(shape, args, est, gpu_bytes)
-    settings = recommend_allocator_settings(peak_bytes=est.peak_bytes, device_bytes=gpu_bytes)
-    reserve = int(min(est.allocated_peak_bytes * 1.05, gpu_bytes - est.context_bytes))
-    lines += [
-        "",
-        "preallocate",
-        f"  reserve {format_bytes(reserve)} up front (allocated peak + 5%): "
+    fitting: MemoryEstimate | None = est if est.fits(gpu_bytes) else None
+    plan = None
+    if fitting is None:
+        more, plan, fitting = _recompute(sizer, est, gpu, gpu_bytes, dims)
+        lines += more
+    lines += _preallocate(fitting, plan, gpu_bytes)
+    lines += _largest_batch(sizer, gpu_bytes, dims, plan)
+    if args.world_size is None:
+        lines += _fewest_gpus(sizer, args, gpu, gpu_bytes, dims)
+    print("\n".join(lines))
+    return 0
+
+
+def _preallocate(
+    fitting: MemoryEstimate | None, plan: RecomputePlan | None, gpu_bytes: int
+) -> list[str]:
+    lines = ["", "preallocate"]
+    if fitting is None:
+        return [*lines, "  nothing to reserve: no setup above fits this GPU"]
+    settings = recommend_allocator_settings(peak_bytes=fitting.peak_bytes, device_bytes=gpu_bytes)
+    reserve = int(min(fitting.allocated_peak_bytes * 1.05, gpu_bytes - fitting.context_bytes))
+    which = "" if plan is None else f", with the {len(plan.recompute)}-block plan"
+    return [
+        *lines,
+        f"  reserve {format_bytes(reserve)} up front (allocated peak + 5%{which}): "
         "flashckpt.memory.preallocate(estimate)",
         f"  PYTORCH_CUDA_ALLOC_CONF={settings.conf_string()}",
     ]
-    lines += _largest_batch(shape, args, gpu_bytes)
-    if args.world_size is None:
-        lines += _fewest_gpus(shape, args, gpu, gpu_bytes)
-    print("\n".join(lines))
-    return 0

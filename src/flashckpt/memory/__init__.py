@@ -1,12 +1,14 @@
 """GPU memory planning: will it fit, what to recompute, what to reserve, and watching the run.
 
-See the README, "Memory planning". Formulas: ZeRO (Rajbhandari et al. 2020) for model states,
-Korthikanti et al. 2022 for activations.
+See the README, "Memory planning". A real model is measured: one training step traced on fake
+tensors (:mod:`flashckpt.memory.measure`). Shapes use formulas: ZeRO (Rajbhandari et al.
+2020) for model states, Korthikanti et al. 2022 for activations (:mod:`.formula`).
 """
 
 from flashckpt.memory.batch import BatchSizeResult, cuda_trial, max_batch_size, model_max_batch_size
 from flashckpt.memory.estimate import (
     BREAKDOWN_KEYS,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
     EstimateOptions,
@@ -16,6 +18,7 @@ from flashckpt.memory.estimate import (
     model_state_bytes,
 )
 from flashckpt.memory.gpus import GPU, gpu_by_name, known_gpus
+from flashckpt.memory.hf import build_hf_model, hf_config
 from flashckpt.memory.monitor import Action, MemoryMonitor, MemorySample, MonitorPolicy, decide
 from flashckpt.memory.prealloc import (
     AllocatorSettings,
@@ -48,6 +51,7 @@ __all__ = [
     "BREAKDOWN_KEYS",
     "GPU",
     "OPTIMIZERS",
+    "OPTIMIZER_IMPLS",
     "PRECISIONS",
     "Action",
     "AllocatorSettings",
@@ -64,6 +68,7 @@ __all__ = [
     "RecomputePlan",
     "TransformerShape",
     "apply_allocator_settings",
+    "build_hf_model",
     "cuda_trial",
     "decide",
     "estimate",
@@ -72,6 +77,7 @@ __all__ = [
     "find_blocks",
     "format_bytes",
     "gpu_by_name",
+    "hf_config",
     "known_gpus",
     "known_shapes",
     "max_batch_size",

@@ -61,7 +61,21 @@ def _largest(fits: Callable[[int], bool], *, lo: int, hi: int | None, cap: int) 
 def model_max_batch_size(
     model_or_shape: Any, *, budget_bytes: int, max_batch: int = 1 << 16, **options: Any
 ) -> int:
-    """Largest batch whose estimated peak fits ``budget_bytes`` (options as for ``estimate``)."""
+    """Largest batch whose estimated peak fits ``budget_bytes`` (options as for ``estimate``).
+
+    A Hugging Face model is traced at batch 1 and 2 and sized linearly in between and beyond
+    (:class:`flashckpt.memory.sizing.TracedSizer`), not traced once per candidate.
+    """
+    traced = _traced_sizer(model_or_shape, options)
+    if traced is not None:
+        from flashckpt.memory.sizing import largest_batch
+
+        found = largest_batch(
+            traced, lambda est: est.peak_bytes <= budget_bytes, max_batch=max_batch
+        )
+        if found is None:
+            _too_big(traced.estimate(batch_size=1).peak_bytes, budget_bytes)
+        return cast(int, found)
 
     def fits(b: int) -> bool:
         return estimate(model_or_shape, batch_size=b, **options).peak_bytes <= budget_bytes
@@ -74,6 +88,26 @@ def model_max_batch_size(
             "shorten the sequence or use a larger GPU"
         )
     return _largest(fits, lo=1, hi=None, cap=max_batch)
+
+
+def _traced_sizer(model_or_shape: Any, options: dict[str, Any]) -> Any:
+    config = getattr(model_or_shape, "config", None)
+    traceable = isinstance(getattr(config, "vocab_size", None), int)
+    if isinstance(model_or_shape, torch.nn.Module) and traceable and "inputs" not in options:
+        from flashckpt.memory.sizing import TracedSizer
+
+        opts = dict(options)
+        if opts.pop("method", "auto") != "formula":
+            return TracedSizer(model_or_shape, device=opts.pop("device", None), **opts)
+    return None
+
+
+def _too_big(need: int, budget_bytes: int) -> None:
+    raise MemoryPlanError(
+        f"batch size 1 needs about {format_bytes(need)} but the budget is "
+        f"{format_bytes(budget_bytes)}: recompute activations, shard (zero_stage=3), "
+        "shorten the sequence or use a larger GPU"
+    )
 
 
 def is_oom(exc: BaseException) -> bool:

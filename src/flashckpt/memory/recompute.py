@@ -10,23 +10,28 @@ does it): with ``R`` the recomputed blocks, the peak activation memory is
 backward), and the cost is ``sum(forward_s of R)`` (one extra forward per recomputed block).
 :func:`plan_recompute` minimises the cost subject to ``peak <= budget`` exactly: for each
 candidate largest recomputed block it solves a min-cost covering knapsack ("save at least D
-bytes") by dynamic programming over the Pareto frontier of (bytes saved, seconds spent).
+bytes") exactly by branch and bound (:mod:`flashckpt.memory.cover`).
 Baselines: every k-th block, and the per-block analogue of Chen et al. 2016's sqrt(n) rule.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.memory.cover import min_cost_cover
 from flashckpt.memory.profile import BlockProfile, ModelProfile
 from flashckpt.memory.units import format_bytes
 
@@ -80,17 +85,79 @@ class RecomputePlan:
         )
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+# Keyword arguments that carry a KV cache into a block, under the names HF models use.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(
+    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with the KV cache turned off, as HF's gradient checkpointing does.
+
+    A block that writes a cache would append its K/V a second time when backward recomputes
+    it (and with a padded batch the replay sees a longer cache and fails); training never
+    reads that cache. The cache may come by keyword or by position (GPT-2 passes it second).
+    Layers that only read a cache say so (``_can_checkpoint_with_cache``) and keep it.
+    """
+    names = ("use_cache", *_CACHE_KWARGS)
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature to bind: keywords only
+        bound = None
+    given = bound.arguments if bound is not None else kwargs
+    flat = dict(given)
+    flat.update(flat.pop("kwargs", None) or {})  # a **kwargs parameter, bound by name
+    if not any(flat.get(name) for name in names):
+        return args, kwargs
+    keep_cache = getattr(module, "_can_checkpoint_with_cache", False)
+    replace: dict[str, Any] = {"use_cache": False} if flat.get("use_cache") else {}
+    if not keep_cache:
+        replace |= {name: None for name in _CACHE_KWARGS if flat.get(name) is not None}
+    for name, value in replace.items():
+        if name in given:
+            given[name] = value
+        elif bound is not None and isinstance(given.get("kwargs"), dict):
+            given["kwargs"][name] = value
+    return (bound.args, bound.kwargs) if bound is not None else (args, given)
+
+
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)  # no backward, no replay: the block runs as is
+    args, kwargs = _without_cache(module, forward, args, kwargs)
+    modes = _get_current_function_mode_stack()
+    if not modes:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def contexts() -> tuple[Any, Any]:
+        # Backward runs without the forward's torch-function modes: replay under them too,
+        # as checkpoint already does for autocast, so the recompute saves the same tensors.
+        return contextlib.nullcontext(), _entered(modes)
+
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+@contextlib.contextmanager
+def _entered(modes: Sequence[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether :func:`wrap_block` made ``module`` recompute its forward."""
+    return _ORIGINAL_FORWARD in module.__dict__
 
 
 def wrap_block(module: nn.Module) -> None:
     """Make ``module`` recompute its forward in backward (idempotent)."""
-    if _ORIGINAL_FORWARD in module.__dict__:
+    if is_wrapped(module):
         return
     original = module.forward
     module.__dict__[_ORIGINAL_FORWARD] = original
-    module.forward = functools.partial(_checkpointed, original)  # type: ignore[method-assign]
+    wrapped = functools.partial(_checkpointed, module, original)
+    module.forward = wrapped  # type: ignore[method-assign]
 
 
 def unwrap_block(module: nn.Module) -> None:
@@ -124,39 +191,6 @@ def _peak(blocks: Sequence[BlockProfile], chosen: set[str]) -> int:
     return kept + inputs + live
 
 
-def _min_cost_cover(
-    items: Sequence[tuple[int, float, int]], need: int
-) -> tuple[float, int, tuple[int, ...]] | None:
-    """Cheapest subset of ``(saving, cost, index)`` items with total saving >= ``need``.
-
-    Exact DP over the Pareto frontier of (capped saving -> least cost); ties prefer fewer items.
-    Returns ``(cost, count, indices)`` or None when even all items together save too little.
-    """
-    frontier: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
-    for saving, cost, index in items:
-        if saving <= 0:
-            continue  # never helps: recomputing it costs time and saves nothing
-        for have, (c, k, chosen) in list(frontier.items()):
-            reach = min(need, have + saving)
-            candidate = (c + cost, k + 1, (*chosen, index))
-            if reach not in frontier or candidate[:2] < frontier[reach][:2]:
-                frontier[reach] = candidate
-        frontier = _prune(frontier)
-    return frontier.get(need)
-
-
-def _prune(frontier: dict[int, tuple[float, int, tuple[int, ...]]]) -> dict:
-    """Drop states that save less and cost no less than another state."""
-    kept: dict[int, tuple[float, int, tuple[int, ...]]] = {}
-    best: tuple[float, int] | None = None
-    for have in sorted(frontier, reverse=True):
-        entry = frontier[have]
-        if best is None or entry[:2] < best:
-            kept[have] = entry
-            best = entry[:2]
-    return kept
-
-
 def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
     """The cheapest set of blocks to recompute so peak activation bytes <= ``budget_bytes``.
 
@@ -172,13 +206,16 @@ def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
     if base <= budget:
         best = (0.0, 0, base, ())
     for live in sorted({b.activation_bytes for b in blocks}):
+        if best is not None and best[1] == 0:
+            break  # recomputing nothing fits: nothing is cheaper
         allowed = [
             (b.activation_bytes - b.input_bytes, b.forward_s, i)
             for i, b in enumerate(blocks)
             if b.activation_bytes <= live
         ]
         need = base + live - budget
-        found = _min_cost_cover(allowed, max(need, 0)) if need <= _max_saving(allowed) else None
+        beat = None if best is None else (best[0], best[1])
+        found = min_cost_cover(allowed, max(need, 1), beat=beat)
         if found is None or not found[2]:
             continue
         chosen = {blocks[i].name for i in found[2]}
@@ -201,10 +238,6 @@ def plan_recompute(profile: ModelProfile, budget_bytes: int) -> RecomputePlan:
         budget_bytes=budget_bytes,
         method="dp",
     )
-
-
-def _max_saving(items: Sequence[tuple[int, float, int]]) -> int:
-    return sum(saving for saving, _, _ in items if saving > 0)
 
 
 def min_activation_bytes(profile: ModelProfile) -> int:

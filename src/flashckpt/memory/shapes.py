@@ -169,12 +169,53 @@ def _pick(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+# model_type -> (gated MLP, tied embeddings by default): the dense decoders the formulas size.
+_FORMULA_TYPES = {
+    "gpt2": (False, True),
+    "llama": (True, False),
+    "mistral": (True, False),
+    "qwen2": (True, False),
+}
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+_TRACED = (
+    "build the model instead (on the meta device is enough) and pass it to estimate(), which "
+    "traces one real training step; `flashckpt plan` does so when transformers is installed"
+)
+
+
+def _refuse_unsized(cfg: dict[str, Any]) -> None:
+    """Refuse configs the formulas would size wrong (MoE, head_dim, unknown architectures)."""
+    kind = cfg.get("model_type")
+    experts = [k for k in _MOE_KEYS if cfg.get(k) not in (None, 0, 1)]
+    if experts:
+        raise ConfigError(
+            f"model config is a mixture of experts ({experts[0]}={cfg[experts[0]]}); the "
+            f"formulas size dense models only: {_TRACED}"
+        )
+    hidden = _pick(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _pick(cfg, "num_attention_heads", "n_head")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and hidden and heads and head_dim * heads != hidden:
+        raise ConfigError(
+            f"model config has head_dim={head_dim} != hidden {hidden} / heads {heads}; the "
+            f"formulas assume head_dim = hidden/heads: {_TRACED}"
+        )
+    if kind is not None and kind not in _FORMULA_TYPES:
+        raise ConfigError(
+            f"model_type={kind!r}: the formulas know {', '.join(_FORMULA_TYPES)} (gated MLP, "
+            f"norms and tied head as those define them); for any other: {_TRACED}"
+        )
+
+
 def shape_from_hf_config(config: Any) -> TransformerShape:
     """Build a shape from a Hugging Face config (object, dict or path to ``config.json``).
 
     Reads GPT-2 names (``n_layer``, ``n_embd``, ``n_head``, ``n_inner``) and Llama/Mistral/Qwen
     names (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
-    ``num_key_value_heads``, ``intermediate_size``); ``hidden_act`` silu means a SwiGLU MLP.
+    ``num_key_value_heads``, ``intermediate_size``); the ``model_type`` decides the MLP and
+    the default for tied embeddings. Refuses (:class:`ConfigError`) what the formulas would size
+    wrong: mixtures of experts, ``head_dim != hidden/heads`` and other architectures (Gemma's
+    gated GELU, ...) — trace the built model instead.
     """
     if isinstance(config, (str, os.PathLike)):
         try:
@@ -182,6 +223,7 @@ def shape_from_hf_config(config: Any) -> TransformerShape:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read model config {config}: {exc}") from exc
     cfg = dict(config) if isinstance(config, dict) else config.to_dict()
+    _refuse_unsized(cfg)
     layers = _pick(cfg, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _pick(cfg, "hidden_size", "n_embd", "d_model")
     heads = _pick(cfg, "num_attention_heads", "n_head")
@@ -192,7 +234,8 @@ def shape_from_hf_config(config: Any) -> TransformerShape:
             "num_attention_heads/n_head, vocab_size; pass a TransformerShape instead"
         )
     act = str(_pick(cfg, "hidden_act", "activation_function", default="gelu"))
-    gated = act in ("silu", "swish") or "llama" in str(cfg.get("model_type", ""))
+    kind = str(cfg.get("model_type"))
+    gated, tied_default = _FORMULA_TYPES.get(kind, (act in ("silu", "swish"), True))
     learned = "n_positions" in cfg or cfg.get("model_type") in ("gpt2", "opt", "gpt_bigcode")
     return TransformerShape(
         int(layers),
@@ -201,7 +244,7 @@ def shape_from_hf_config(config: Any) -> TransformerShape:
         int(vocab),
         ffn_hidden=_pick(cfg, "intermediate_size", "n_inner", "ffn_dim"),
         kv_heads=_pick(cfg, "num_key_value_heads"),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", tied_default)),
         mlp="swiglu" if gated else "gelu",
         norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm",
         bias=not gated,

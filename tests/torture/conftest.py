@@ -3,7 +3,7 @@
 ``make test`` runs a fixed slice; ``make torture`` sets bigger sizes. Documented test overrides:
 
 * ``FLASHCKPT_TORTURE_OPS``: simulated operations in all (split into trials of 40 ops, one seed
-  per trial; default 320);
+  per trial; default 240);
 * ``FLASHCKPT_TORTURE_KILLS``: SIGKILLs of real processes in all (default 10);
 * ``FLASHCKPT_TORTURE_SEED``: run only this seed (the reproduction command a failure prints);
 * ``FLASHCKPT_TORTURE_STRICT=1``: fail on the bugs listed in ``torture_known.py`` too.
@@ -35,7 +35,7 @@ def seeds(total: int, per: int) -> list[int]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sim_seed" in metafunc.fixturenames:
-        ss = seeds(_int("FLASHCKPT_TORTURE_OPS", 320), OPS_PER_TRIAL)
+        ss = seeds(_int("FLASHCKPT_TORTURE_OPS", 240), OPS_PER_TRIAL)
         metafunc.parametrize("sim_seed", ss, ids=[f"sim-{s}" for s in ss])
     if "kill_seed" in metafunc.fixturenames:
         ss = seeds(_int("FLASHCKPT_TORTURE_KILLS", 10), KILLS_PER_SESSION)

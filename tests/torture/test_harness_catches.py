@@ -36,7 +36,7 @@ def _newest_chunk(root: Path) -> Path | None:
 
 def _trial(tmp_path: Path, sabotage: Any, *, keep: int) -> ViolationError:
     with install(FaultPlan(seed=3, scope=tmp_path)) as plan:
-        sim = Sim(base=tmp_path, seed=3, plan=plan, ops=80, faults=False)
+        sim = Sim(base=tmp_path, seed=3, plan=plan, ops=50, faults=False)
         sim.cfg = dataclasses.replace(sim.cfg, keep=keep, memory=False, async_save=False)
         sim.mem = None
         plan.sabotage = sabotage
@@ -95,8 +95,8 @@ def test_unbroken_store_passes_the_same_trial(tmp_path: Path, monkeypatch) -> No
     because of the sabotage, not because of the trial)."""
     monkeypatch.setenv("FLASHCKPT_TORTURE_STRICT", "1")
     with install(FaultPlan(seed=3, scope=tmp_path)) as plan:
-        sim = Sim(base=tmp_path, seed=3, plan=plan, ops=80, faults=False)
+        sim = Sim(base=tmp_path, seed=3, plan=plan, ops=50, faults=False)
         sim.cfg = dataclasses.replace(sim.cfg, keep=1, memory=False, async_save=False)
         sim.mem = None
         sim.run()
-    assert sim.op == 79 and not sim.known
+    assert sim.op == 49 and not sim.known

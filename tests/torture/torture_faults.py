@@ -244,6 +244,8 @@ def _delete(self: LocalBackend, path: str) -> None:
 def _sync_dirs(self: LocalBackend, dirs: Any) -> None:
     plan = _plan_for(self)
     if plan is not None:
+        if plan.sabotage is not None:
+            plan.sabotage("sync_dirs", self, ",".join(sorted(dirs)))
         if _dead(plan, self):
             raise _err("sync", self, "", errno.EIO, "the simulated process is dead")
         if self.fsync and plan.draw("eio_sync", "sync_dirs", ",".join(sorted(dirs))):

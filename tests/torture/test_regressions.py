@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torture_faults import FaultPlan, install
+from torture_kill import ForkServer, alive
 from torture_oracle import disk_steps, manifest_path, temp_files
 
 import flashckpt
@@ -227,3 +228,22 @@ def test_a_truncated_chunk_is_written_again_not_reused(tmp_path: Path) -> None:
         out = _target()
         assert ckpt.restore(out, step=2) == 2
     assert torch.equal(out["w"], _state(1)["w"])
+
+
+@pytest.mark.xfail(strict=True, reason="fixed on branch engine: exit safety")
+def test_a_script_that_ends_with_an_async_save_in_flight_does_not_fail_it(
+    tmp_path: Path, fork_server: ForkServer
+) -> None:
+    """Found by the kill trials' exit runs: a process whose script ends right after an async
+    ``save()`` (no close()) failed that save with "cannot schedule new futures after
+    shutdown". It must finish it, or journal that it was abandoned."""
+    root, mem, out = tmp_path / "ck", tmp_path / "mem", tmp_path / "worker.log"
+    pid = fork_server.spawn("worker", out, str(root), str(mem), "0", "3")  # even seed: async
+    deadline = time.monotonic() + 120
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid), "the worker did not exit"
+    events = [json.loads(ln) for ln in (root / "journal.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e.get("event") == "save_failed"]
+    assert not failed, failed
+    assert "Traceback" not in out.read_text()

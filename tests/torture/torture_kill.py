@@ -162,6 +162,10 @@ class KillSession:
         worker_seed = self.rng.randrange(1 << 30)
         delay = self.rng.uniform(0.0, 1.5)
         also_gc = self.rng.random() < 0.3
+        exit_after = self.rng.randint(1, 6) if self.rng.random() < 0.2 else -1
+        if exit_after >= 0:
+            self.exit_trial(i, worker_seed, exit_after)
+            return
         self.log.append(f"kill {i}: worker seed {worker_seed}, delay {delay:.3f}s, gc {also_gc}")
         assert self.server is not None
         out = self.base / f"worker-{i}.log"
@@ -185,6 +189,7 @@ class KillSession:
             count("kills")
             count("kills.gc")
         lines = _lines(out)
+        count(f"kills.during.{self.phase(pid)}")
         if any("Traceback" in x for x in lines):
             self.fail("worker_error", f"the worker raised: {out.read_text()[-2000:]}")
         steps = [int(x.split()[1]) for x in lines if x.startswith("durable")]
@@ -198,6 +203,48 @@ class KillSession:
         self.log.append(f"  checked in {time.monotonic() - t0:.1f}s")
         if also_gc:
             self.start_bg("gc")
+
+    def exit_trial(self, i: int, worker_seed: int, exit_after: int) -> None:
+        """The worker ends normally after ``exit_after`` saves, its last save in flight and no
+        close(): that save completes, or is journaled as abandoned; never an error."""
+        assert self.server is not None
+        self.log.append(f"exit {i}: worker seed {worker_seed}, ends after {exit_after} saves")
+        out = self.base / f"worker-{i}.log"
+        pid = self.server.spawn(
+            "worker", out, str(self.root), str(self.mem), str(worker_seed), str(exit_after)
+        )
+        deadline = time.monotonic() + 120
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if alive(pid):
+            sigkill(pid)
+            self.fail("exit_hang", "a worker ending with a save in flight did not exit in 120 s")
+        count("exits")
+        text = out.read_text() if out.exists() else ""
+        steps = [int(x.split()[1]) for x in text.splitlines() if x.startswith("durable")]
+        if steps:
+            self.durable = max([*steps, *([self.durable] if self.durable is not None else [])])
+        failed = [e for e in self.events(pid) if e.get("event") == "save_failed"]
+        if "Traceback" in text or failed:
+            why = failed[-1].get("error") if failed else text[-600:]
+            self.fail("exit_with_save_in_flight", f"ending with a save in flight: {why}")
+        self.check_after_kill()
+
+    def events(self, pid: int) -> list[dict[str, Any]]:
+        out = []
+        for ln in _lines(self.root / "journal.jsonl"):
+            with contextlib.suppress(ValueError):
+                e = json.loads(ln)
+                if isinstance(e, dict) and e.get("pid") == pid:
+                    out.append(e)
+        return out
+
+    def phase(self, pid: int) -> str:
+        """What the killed worker was doing, from its last journal event: ``save_start`` /
+        ``staged`` (mid-save), ``durable`` (retention, gc, queueing promotion), ``promoted``
+        (between promotions), ``promote_failed``..."""
+        events = [e for e in self.events(pid) if e.get("event") not in ("step_time", "interval")]
+        return str(events[-1].get("event")) if events else "start"
 
     def open(self) -> Any:
         deadline = time.monotonic() + 30

@@ -26,6 +26,8 @@ KNOWN: dict[str, str] = {
     "error_delivered_twice": "engine: an error is delivered once",
     # the manifest is written, then the directory sync fails: the save fails, the step stays
     "failed_save_left_manifest": "engine/liveness: a failed save leaves no manifest",
+    # a script that ends with an async save in flight: "cannot schedule new futures"
+    "exit_with_save_in_flight": "engine: exit safety",
 }
 
 

@@ -13,6 +13,7 @@ import contextlib
 import io
 import random
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,16 +310,37 @@ class Sim:
             self.fail("non_flashckpt_error", f"Checkpointer() raised {type(exc).__name__}: {exc}")
 
     def cli(self, *args: str) -> tuple[int, str]:
-        out, err = io.StringIO(), io.StringIO()
+        """``flashckpt ARGS`` in this process, as another process would run it. Run on a
+        thread: if it waits for the open Checkpointer (a gc that waits for the root's
+        writers), that writer is closed so it can go on."""
+        out = io.StringIO()
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    result["rc"] = cli_main(list(args))
+            except Exception as exc:
+                result["exc"] = exc
+
         gen, self.plan.generation = self.plan.generation, -1 - self.op  # its own process
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                rc = cli_main(list(args))
-        except Exception as exc:
-            self.fail("non_flashckpt_error", f"flashckpt {args} raised {exc!r}")
+            thread = threading.Thread(target=run, name="torture-cli", daemon=True)
+            thread.start()
+            thread.join(10)
+            if thread.is_alive() and self.ckpt is not None:
+                count("cli.waited_for_writer")
+                self.log.append(f"  flashckpt {args[0]} waits for the open Checkpointer: close it")
+                self.op_close(clean=True)
+            thread.join(120)
         finally:
             self.plan.generation = gen
-        return rc, out.getvalue() + err.getvalue()
+        if thread.is_alive():
+            self.fail("cli_hang", f"flashckpt {args} still running after 130 s", fatal=True)
+        if "exc" in result:
+            exc = result["exc"]
+            self.fail("non_flashckpt_error", f"flashckpt {args} raised {exc!r}", fatal=True)
+        return int(result.get("rc", 2)), out.getvalue()
 
     def op_gc(self, clean: bool) -> None:
         tiers = [d for _, d, _ in self.tiers if (d / "steps").is_dir()]

@@ -13,15 +13,20 @@ SIGKILLs the children itself. Modes:
 ``read ROOT MEM``  a lock-free reader: ``flashckpt ls`` / ``verify`` in a loop, one JSON line a
     run (see :mod:`torture_reader`).
 ``gc ROOT MEM``  ``flashckpt gc`` on both in a loop.
+
+``worker ROOT MEM SEED N`` with N >= 0 leaves the loop after N saves without ``close()`` and
+ends like a script whose last line was ``save()`` (exit safety).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -70,7 +75,19 @@ def open_ckpt(root: str, mem: str, seed: int) -> flashckpt.Checkpointer:
             time.sleep(0.01)
 
 
-def worker(root: str, mem: str, seed_text: str) -> int:
+def interpreter_exit() -> None:
+    """What the interpreter does when a script ends (this process is a fork, so it ends with
+    ``os._exit``): join non-daemon threads and run the threading / concurrent.futures exit
+    hooks, then the atexit handlers."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+
+
+def worker(root: str, mem: str, seed_text: str, exit_after: str = "-1") -> int:
+    """Train and save until killed or, with ``exit_after`` >= 0, until that many saves were
+    started: then leave without close() with the last save in flight, as a script that ends
+    (or raises) does."""
     seed = int(seed_text)
     slow_io(seed)
     ckpt = open_ckpt(root, mem, seed)
@@ -78,7 +95,11 @@ def worker(root: str, mem: str, seed_text: str) -> int:
     last = ckpt.restore(state)
     start = -1 if last is None else last
     print(f"ready {start}", flush=True)
-    for step in range(start + 1, start + 1_000_000):
+    for n, step in enumerate(range(start + 1, start + 1_000_000)):
+        if n == int(exit_after):
+            print(f"exiting with step {step - 1} in flight", flush=True)
+            interpreter_exit()
+            return 0
         train_step(state, step)
         handle = ckpt.save(step, state)
         handle.durable.add_done_callback(

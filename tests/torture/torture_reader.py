@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import time
 
@@ -17,6 +18,19 @@ from torture_model import build, expected, same, snapshot
 
 import flashckpt
 from flashckpt.cli import main as cli
+
+_PARENT = os.getppid()
+
+
+def adopt_parent() -> None:
+    """Remember the fork server as this process's parent (called first in each child)."""
+    global _PARENT
+    _PARENT = os.getppid()
+
+
+def orphaned() -> bool:
+    """True once the fork server is gone (the test run died): the loops then stop."""
+    return os.getppid() != _PARENT
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -49,7 +63,7 @@ def read_only_restore(root: str) -> dict[str, object] | None:
 
 def reader(root: str, mem: str) -> int:
     rng = random.Random(root)
-    while True:
+    while not orphaned():
         for cmd, d in (("ls", root), ("verify", root), ("verify", mem)):
             rc, text = run(cmd, d)
             bad = [ln for ln in text.splitlines() if "DAMAGED" in ln]
@@ -58,12 +72,14 @@ def reader(root: str, mem: str) -> int:
         res = read_only_restore(root)
         if res is not None:
             print(json.dumps({"cmd": "restore", "dir": root, **res}), flush=True)
+    return 0
 
 
 def gc_loop(root: str, mem: str) -> int:
     rng = random.Random(mem)
-    while True:
+    while not orphaned():
         for d in (root, mem):
             rc, _ = run("gc", d)
             print(json.dumps({"cmd": "gc", "dir": d, "rc": rc}), flush=True)
         time.sleep(rng.uniform(0.05, 0.25))
+    return 0

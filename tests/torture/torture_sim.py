@@ -351,8 +351,13 @@ class Sim:
         count("cli.gc")
         if rc not in (0, 2):
             self.fail("cli_exit", f"flashckpt gc {target} exited {rc}: {text}")
-        if clean and self.ckpt is None and rc != 0:
+        if clean and self.ckpt is None and rc != 0 and not self.unreadable_manifest(target):
             self.fail("gc_refused_while_idle", f"flashckpt gc {target} exited {rc}: {text}")
+
+    def unreadable_manifest(self, tier: Path) -> bool:
+        """A torn manifest (left by a torn write) makes a fail-closed gc refuse: allowed."""
+        with self.plan.off():
+            return any(not inspect_step(tier, s).manifest_ok for s in disk_steps(tier))
 
     def op_verify(self, clean: bool) -> None:
         if not (self.root / "steps").is_dir():

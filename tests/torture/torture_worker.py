@@ -96,6 +96,8 @@ def worker(root: str, mem: str, seed_text: str, exit_after: str = "-1") -> int:
     start = -1 if last is None else last
     print(f"ready {start}", flush=True)
     for n, step in enumerate(range(start + 1, start + 1_000_000)):
+        if torture_reader.orphaned():
+            return 1
         if n == int(exit_after):
             print(f"exiting with step {step - 1} in flight", flush=True)
             interpreter_exit()
@@ -122,6 +124,7 @@ def child(mode: str, out: str, args: list[str]) -> None:
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        torture_reader.adopt_parent()
         rc = MODES[mode](*args)
     except BaseException:
         traceback.print_exc()

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,11 @@ def test_kill_checker_catches_a_damaged_committed_step(tmp_path: Path, monkeypat
     chunk = _newest_chunk(session.root)
     assert chunk is not None
     flip_bit(chunk, random.Random(0))
-    with pytest.raises(ViolationError) as err:
-        session.check_after_kill()
+    try:
+        with pytest.raises(ViolationError) as err:
+            session.check_after_kill()
+    finally:
+        shutil.rmtree(session.mem, ignore_errors=True)
     assert err.value.violation.invariant in ("restore_not_newest", "retained_step_damaged")
 
 

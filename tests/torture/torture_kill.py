@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ class KillSession:
         self.root = self.base / "root"
         shm = Path("/dev/shm")
         use_shm = shm.is_dir() and os.access(shm, os.W_OK)
-        self.mem = (shm if use_shm else self.base) / f"flashckpt-torture-{os.getpid()}-{self.seed}"
+        tag = f"{os.getpid()}-{self.seed}-{uuid.uuid4().hex[:8]}"
+        self.mem = (shm if use_shm else self.base) / f"flashckpt-torture-{tag}"
 
     def fail(self, invariant: str, detail: str) -> None:
         v = Violation(invariant, f"kill seed {self.seed}: {detail}")

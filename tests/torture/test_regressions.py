@@ -267,8 +267,10 @@ def test_a_script_that_ends_with_an_async_save_in_flight_does_not_fail_it(
     ``save()`` (no close()) failed that save with "cannot schedule new futures after
     shutdown". It must finish it, or journal that it was abandoned."""
     root, mem, out = tmp_path / "ck", tmp_path / "mem", tmp_path / "worker.log"
-    pid = fork_server.spawn("worker", out, str(root), str(mem), "0", "3")  # even seed: async
-    deadline = time.monotonic() + 120
+    # even seed: async; writes take 100 ms and a 256 MiB tensor takes a while to stage, so
+    # the script ends while its last save is still staging
+    pid = fork_server.spawn("worker", out, str(root), str(mem), "0", "3", "100", "256")
+    deadline = time.monotonic() + 180
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not alive(pid), "the worker did not exit"

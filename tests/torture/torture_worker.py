@@ -39,12 +39,12 @@ from flashckpt.engine.promote import Promotion
 from flashckpt.store.backend import LocalBackend
 
 
-def slow_io(seed: int) -> None:
+def slow_io(seed: int, put_delay_s: float = 0.0) -> None:
     rng = random.Random(seed)
     put, delete = LocalBackend.put, LocalBackend.delete
 
     def slow_put(self: LocalBackend, path: str, parts: object) -> int:
-        time.sleep(rng.uniform(0.0, 0.004))
+        time.sleep(put_delay_s + rng.uniform(0.0, 0.004))
         return put(self, path, parts)  # type: ignore[arg-type]
 
     def slow_delete(self: LocalBackend, path: str) -> None:
@@ -84,14 +84,25 @@ def interpreter_exit() -> None:
     sys.stdout.flush()
 
 
-def worker(root: str, mem: str, seed_text: str, exit_after: str = "-1") -> int:
+def worker(
+    root: str,
+    mem: str,
+    seed_text: str,
+    exit_after: str = "-1",
+    put_delay_ms: str = "0",
+    big_mib: str = "0",
+) -> int:
     """Train and save until killed or, with ``exit_after`` >= 0, until that many saves were
     started: then leave without close() with the last save in flight, as a script that ends
-    (or raises) does."""
+    (or raises) does. ``put_delay_ms`` slows every write down more (keeps a save in flight);
+    ``big_mib`` adds a tensor of that size to the state (staging it takes long enough for the
+    script to end first)."""
     seed = int(seed_text)
-    slow_io(seed)
+    slow_io(seed, int(put_delay_ms) / 1000)
     ckpt = open_ckpt(root, mem, seed)
     state = build()
+    if int(big_mib):
+        state["big"] = torch.zeros(int(big_mib) << 18)
     last = ckpt.restore(state)
     start = -1 if last is None else last
     print(f"ready {start}", flush=True)

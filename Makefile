@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow lint typecheck bench gpu-check gpu-wheels clean
+.PHONY: demo test test-slow torture lint typecheck bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,14 @@ test: lint typecheck
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The full torture run (tests/torture): >= 10,000 simulated operations over a fault-injecting
+# backend and >= 200 SIGKILLs of real processes; prints the counts at the end. Override the sizes
+# with FLASHCKPT_TORTURE_OPS / FLASHCKPT_TORTURE_KILLS, replay one seed with FLASHCKPT_TORTURE_SEED.
+torture: $(STAMP)
+	FLASHCKPT_TORTURE_OPS=$${FLASHCKPT_TORTURE_OPS:-10000} \
+	FLASHCKPT_TORTURE_KILLS=$${FLASHCKPT_TORTURE_KILLS:-200} \
+	$(BIN)/python -m pytest -q -W ignore::RuntimeWarning -W ignore::UserWarning tests/torture
 
 bench: $(STAMP)
 	$(BIN)/flashckpt bench

@@ -1,7 +1,7 @@
 """Named regression tests for the bugs the torture harness found.
 
 Each reproduces one finding deterministically through the public API (faults come from the
-harness's fault layer). The fixes live on other branches; on this branch each test is marked
+harness's fault layer) and fails without its fix.
 ``xfail(strict=True)``: remove the mark once the fix is merged (the test must then pass).
 """
 
@@ -54,7 +54,6 @@ def _cli(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: gc fails closed")
 def test_gc_keeps_the_chunks_of_a_step_whose_manifest_it_cannot_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -78,7 +77,6 @@ def test_gc_keeps_the_chunks_of_a_step_whose_manifest_it_cannot_read(
     assert torch.equal(out["w"], _state(1)["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: one owner of chunk liveness")
 def test_a_failed_save_does_not_delete_chunks_of_a_step_whose_manifest_it_cannot_read(
     tmp_path: Path,
 ) -> None:
@@ -107,7 +105,6 @@ def test_a_failed_save_does_not_delete_chunks_of_a_step_whose_manifest_it_cannot
     assert torch.equal(out["w"], _state(1)["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch engine: restore is all or nothing")
 def test_restore_does_not_return_none_after_overwriting_the_state(tmp_path: Path) -> None:
     """Found by the simulation (a rotted chunk, then restore()): with the only checkpoint
     damaged, restore() loaded the intact tensors into the live state and returned None."""
@@ -129,7 +126,6 @@ def test_restore_does_not_return_none_after_overwriting_the_state(tmp_path: Path
     assert not live["a"].any() and not live["b"].any(), "returned None after touching state"
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch engine: an error is delivered once")
 def test_error_seen_through_durable_result_is_not_raised_again_by_the_next_save(
     tmp_path: Path,
 ) -> None:
@@ -155,7 +151,6 @@ def test_error_seen_through_durable_result_is_not_raised_again_by_the_next_save(
     assert disk_steps(root) == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="open: no branch owns it yet (commit() keeps a manifest)")
 def test_a_save_whose_manifest_directory_sync_fails_leaves_no_manifest(tmp_path: Path) -> None:
     """Found by the simulation (EIO on ``sync_dirs``): commit() wrote the manifest, the fsync
     of ``steps/`` failed, save() raised, and the step stayed visible to restore()."""
@@ -180,7 +175,6 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: stale temporary files collected")
 def test_temporary_files_of_a_killed_save_are_collected(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -212,7 +206,6 @@ def _retire_during_read(step: int) -> Any:
     return retire
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: readers see no false damage")
 def test_verify_does_not_report_a_step_retired_while_it_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -228,7 +221,6 @@ def test_verify_does_not_report_a_step_retired_while_it_runs(
     assert rc == 0 and "DAMAGED" not in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: readers see no false damage")
 def test_ls_does_not_report_a_step_retired_while_it_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -244,7 +236,6 @@ def test_ls_does_not_report_a_step_retired_while_it_runs(
     assert rc == 0 and "DAMAGED" not in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch liveness: verified reuse")
 def test_a_truncated_chunk_is_written_again_not_reused(tmp_path: Path) -> None:
     """The oracle's torn-write rule (a chunk torn before a save must not be reused by it):
     a truncated chunk on disk was reused by name, so the next step was unrestorable."""
@@ -259,7 +250,6 @@ def test_a_truncated_chunk_is_written_again_not_reused(tmp_path: Path) -> None:
     assert torch.equal(out["w"], _state(1)["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch engine: exit safety")
 def test_a_script_that_ends_with_an_async_save_in_flight_does_not_fail_it(
     tmp_path: Path, fork_server: ForkServer
 ) -> None:

@@ -223,8 +223,6 @@ def _reader(name: str) -> Any:
             if name in ("read", "read_into") and plan.draw("slow", name, path):
                 time.sleep(plan.rng("slow", path).uniform(0.001, 0.01))
             if plan.draw("eio_list" if name == "list" else "eio_read", name, path):
-                if name in ("exists", "size"):
-                    raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected)", path)
                 raise _err(name, self, path, errno.EIO, "injected")
         return _ORIG[name](self, path, *args)
 

@@ -291,6 +291,7 @@ class Sim(Checks):
         ckpt, self.ckpt = self.ckpt, None
         with contextlib.suppress(BaseException):
             ckpt.close()
+        forget_process_memory()  # the next "process" starts without the dead one's Liveness
         count("sim.crashes")
 
     def op_reopen(self, clean: bool) -> None:
@@ -430,3 +431,13 @@ class _KnownBug(Exception):
     def __init__(self, v: Violation) -> None:
         super().__init__(v.detail)
         self.violation = v
+
+
+def forget_process_memory() -> None:
+    """What a real crash takes with it: the in-memory chunk-liveness state of every root (one
+    per root per process, shared by every store on it). Without this, the simulated next
+    process would do its I/O through the dead one's backend."""
+    from flashckpt.store import liveness
+
+    with liveness._registry_lock:
+        liveness._registry.clear()

@@ -167,11 +167,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         Journal(Path(store.url) / JOURNAL_NAME).append(
             "gc_skipped", tier="local", reason=res.skipped
         )
-        if res.busy:  # not damage: exit 2 like any other error that says what to do
-            print(f"{res.skipped}; try again when no save is running", file=sys.stderr)
-            return 2
-        print(f"{res.skipped}; run flashckpt verify {args.root} to see the damage")
-        return 1  # a check found damage (an unreadable manifest, part or pin)
+        if res.damaged:  # a check found damage (a manifest, part or pin it cannot trust)
+            print(f"{res.skipped}; run flashckpt verify {args.root} to see the damage")
+            return 1
+        hint = "try again when no save is running" if res.busy else "fix the error and retry"
+        print(f"{res.skipped}; {hint}", file=sys.stderr)
+        return 2
     print(
         f"deleted {res.chunks_deleted} unreferenced chunks ({format_bytes(res.bytes_deleted)})"
         + (f" and {res.temp_deleted} stale temporary files" if res.temp_deleted else "")

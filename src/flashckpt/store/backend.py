@@ -167,12 +167,25 @@ class LocalBackend:
             os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return safeopen.is_regular(self.root, path)
+        """True for a regular file reached without following a symlink; False when missing or
+        anything else (a reader finds that damage); StorageError when the filesystem fails,
+        like every other method (an I/O error is not "absent")."""
+        try:
+            return stat.S_ISREG(safeopen.lstat_in(self.root, path).st_mode)
+        except (FileNotFoundError, NotADirectoryError, StorageError):
+            return False
+        except OSError as exc:
+            raise _storage_error("stat", self._abs(path), exc) from exc
 
     def size(self, path: str) -> int:
         """Size of a regular file; FileNotFoundError when missing, StorageError when it is a
-        symlink, FIFO, directory or device (never followed)."""
-        st = safeopen.lstat_in(self.root, path)
+        symlink, FIFO, directory or device (never followed), or when the filesystem fails."""
+        try:
+            st = safeopen.lstat_in(self.root, path)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            raise _storage_error("stat", self._abs(path), exc) from exc
         if not stat.S_ISREG(st.st_mode):
             raise StorageError(
                 f"{self._abs(path)} is a {safeopen.kind_of(st.st_mode)}, not a regular file"

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.policy.retention import RetentionPolicy
 from flashckpt.store.liveness import Liveness
 from flashckpt.store.names import SUFFIX, chunk_path, parse_chunk_name, temp_owner
@@ -40,6 +40,7 @@ class GcResult:
     full: bool = False
     skipped: str | None = None  # why nothing was collected (lock busy, unreadable manifest/pin)
     busy: bool = False  # skipped because a writer holds the root (try again later), not damage
+    damaged: bool = False  # skipped because a manifest, part or pin is damaged (not an I/O error)
 
 
 def apply_retention(store: CheckpointStore, policy: RetentionPolicy) -> tuple[int, ...]:
@@ -81,7 +82,7 @@ def collect_garbage(
             live.sync()
             records = read_pins(store.backend) if live.pins_on_disk else []
         except FlashCkptError as exc:
-            return _skipped(store, str(exc))
+            return _skipped(store, str(exc), damaged=isinstance(exc, CorruptCheckpointError))
         return _collect(store, live, records, set(pinned), full)
 
 
@@ -115,10 +116,12 @@ def _collect(
     return GcResult(chunks_deleted=deleted, bytes_deleted=freed, temp_deleted=temps, full=full)
 
 
-def _skipped(store: CheckpointStore, why: str, *, busy: bool = False) -> GcResult:
+def _skipped(
+    store: CheckpointStore, why: str, *, busy: bool = False, damaged: bool = False
+) -> GcResult:
     msg = f"garbage collection of {store.url} skipped, nothing was deleted: {why}"
     log.warning(msg)
-    return GcResult(skipped=msg, busy=busy)
+    return GcResult(skipped=msg, busy=busy, damaged=damaged)
 
 
 def _paths(h: str) -> list[str]:

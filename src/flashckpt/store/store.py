@@ -144,11 +144,19 @@ class CheckpointStore:
     def commit(
         self, manifest: Manifest, *, chunk_dirs: Sequence[str], name: str | None = None
     ) -> None:
-        """Make a checkpoint exist: sync chunk directories, then write the manifest last."""
+        """Make a checkpoint exist: sync chunk directories, then write the manifest last. If the
+        manifest's rename cannot be made durable (the fsync of ``steps/`` fails), the manifest
+        is removed again before the error propagates: a save that raised never leaves a
+        checkpoint behind (it could vanish at the next power loss, or be trusted by a restore
+        the caller was told cannot happen)."""
         self.backend.sync_dirs(list(chunk_dirs))
         path = name or step_name(manifest.step)
         self.backend.put(path, [manifest.to_json()])
-        self.backend.sync_dirs(["steps"])
+        try:
+            self.backend.sync_dirs(["steps"])
+        except BaseException:
+            self.backend.delete(path)
+            raise
         self.liveness.on_commit(path, manifest)
 
     def steps(self) -> list[int]:

@@ -12,24 +12,33 @@ from flashckpt.errors import ConfigError
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
-FORMATS = ("safetensors", "torch", "dcp")
+FORMATS = ("safetensors", "torch", "dcp", "hf")
 
 
 def register_export(sub: Any) -> None:
     p = sub.add_parser(
         "export",
-        help="write a step as a plain state_dict (safetensors, torch.save or a DCP directory), "
-        "sharded steps merged",
+        help="write a step as a plain state_dict (safetensors, torch.save), a DCP directory in "
+        "DCP's own layout, or a Hugging Face from_pretrained directory; sharded steps merged",
     )
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("out", metavar="OUT", help="output file (a new directory for --format dcp)")
+    p.add_argument(
+        "out", metavar="OUT", help="output file (a new directory for --format dcp and hf)"
+    )
     p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument(
         "--prefix",
         default=None,
         help="export only keys under this state entry (e.g. model), with the prefix "
-        "removed, so the file loads with model.load_state_dict",
+        "removed, so the file loads with model.load_state_dict (dcp: the model-only form; "
+        "hf: the entry holding the model, default model)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="hf: config.json (or a directory holding one) to write with the weights "
+        "(default: the config the saved state carries)",
     )
     p.set_defaults(func=cmd_export)
 
@@ -54,6 +63,19 @@ def full_tensors(
 def cmd_export(args: argparse.Namespace) -> int:
     from flashckpt.cli.store_cmds import open_store, pick_step
 
+    if args.format == "hf" or (args.format == "dcp" and not args.prefix):
+        from flashckpt.integrations.interop import export
+
+        step = export(
+            args.root,
+            args.out,
+            format=args.format,
+            step=args.step,
+            prefix=args.prefix,
+            config=args.config,
+        )
+        print(f"exported step {step} -> {args.out} ({args.format})")
+        return 0
     store = open_store(args.root)
     step = pick_step(store, args.step)
     tensors = full_tensors(store, store.load_manifest(step), args.prefix)

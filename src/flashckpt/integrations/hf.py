@@ -141,7 +141,7 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
         cbs = trainer_json.setdefault("stateful_callbacks", {})
         cbs[type(control).__name__] = control.state()
         out: dict[str, Any] = {"model": kw["model"], "rng": RNG(), "trainer": trainer_json}
-        config = getattr(kw["model"], "config", None)
+        config: Any = getattr(kw["model"], "config", None)
         if hasattr(config, "to_json_string"):  # for export --format hf (config.json)
             out["hf_config"] = json.loads(config.to_json_string(use_diff=False))
         if kw.get("optimizer") is not None:

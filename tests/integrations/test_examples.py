@@ -103,3 +103,18 @@ def test_fsdp_example_crash_and_resume_exits_zero(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fsdp_example_ten_consecutive_crash_resume_runs(tmp_path: Path) -> None:
     crash_resume_runs(tmp_path, 10)
+
+
+def test_make_demo_installs_only_torch_and_the_package() -> None:
+    root = EXAMPLES.parent
+    demo = subprocess.run(
+        ["make", "-n", "-B", "demo"], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert demo.returncode == 0, demo.stderr
+    installs = [line for line in demo.stdout.splitlines() if "pip install" in line]
+    assert installs and not any("[test]" in line for line in installs), demo.stdout
+    assert any(line.rstrip().endswith("-e . torch==2.13.0") for line in installs), demo.stdout
+    test = subprocess.run(
+        ["make", "-n", "-B", "test"], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert "-e '.[test]'" in test.stdout  # make test still installs everything

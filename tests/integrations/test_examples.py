@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -70,6 +70,24 @@ def test_lightning_example_resumes_the_newest_step_not_the_last_name(tmp_path: P
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resuming from epoch=11-step=192.ckpt" in third.stdout
     assert "done at step 208" in third.stdout
+
+
+def test_hf_example_stops_resumes_and_exports_for_from_pretrained(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "hf_trainer.py")
+    d = tmp_path / "hf"
+    env_args = ("--dir", str(d), "--steps", "20")
+    first = run(script, *env_args, "--stop-at", "10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "done at step 10" in first.stdout
+    second = run(script, *env_args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "done at step 20" in second.stdout
+    out = tmp_path / "export"
+    exported = run(
+        "-m", "flashckpt.cli", "export", str(d / "flashckpt"), str(out), "--format", "hf"
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["n_layer"] == 2
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:

@@ -113,12 +113,14 @@ def crash_resume_runs(tmp_path: Path, runs: int) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(900)  # 4 torchrun launches
 def test_fsdp_example_crash_and_resume_exits_zero(tmp_path: Path) -> None:
     crash_resume_runs(tmp_path, 2)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 20 torchrun launches
 def test_fsdp_example_ten_consecutive_crash_resume_runs(tmp_path: Path) -> None:
     crash_resume_runs(tmp_path, 10)
 

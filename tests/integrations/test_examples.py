@@ -30,6 +30,7 @@ def losses(root: Path, *args: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.timeout(900)  # several example runs, one process each
 def test_nanogpt_style_loop_resumes_bitwise_only_with_the_prefetched_batch(
     tmp_path: Path,
 ) -> None:
@@ -48,6 +49,7 @@ def test_nanogpt_style_loop_resumes_bitwise_only_with_the_prefetched_batch(
     assert all(lossy[k] != straight[k] for k in lossy)
 
 
+@pytest.mark.timeout(900)  # several example runs, one process each
 def test_lightning_example_resumes_the_newest_step_not_the_last_name(tmp_path: Path) -> None:
     script = str(EXAMPLES / "lightning_train.py")
     d = tmp_path / "lit"
@@ -72,6 +74,7 @@ def test_lightning_example_resumes_the_newest_step_not_the_last_name(tmp_path: P
     assert "done at step 208" in third.stdout
 
 
+@pytest.mark.timeout(900)  # several example runs, one process each
 def test_hf_example_stops_resumes_and_exports_for_from_pretrained(tmp_path: Path) -> None:
     script = str(EXAMPLES / "hf_trainer.py")
     d = tmp_path / "hf"

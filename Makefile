@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]' $(TORCH)
 	touch $(STAMP)
 
-demo: $(STAMP)
+# the demo needs only torch and the package itself (no test extra: moto, lightning, ...)
+DEMO_STAMP := $(VENV)/.demo-installed
+$(DEMO_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e . $(TORCH)
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/flashckpt demo
 
 lint: $(STAMP)

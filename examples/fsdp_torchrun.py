@@ -50,6 +50,16 @@ def main() -> int:
     args = parse()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return train(args, cuda)
+    finally:
+        # teardown order: train() closed the Checkpointer (its last save durable, its threads
+        # done) and every rank passed the final barrier, so no rank is still inside a
+        # collective when the process groups go away; only then destroy them, on every path
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, cuda: bool) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if device is not None:
@@ -69,36 +79,34 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(1234 + rank)  # per-rank RNG, saved and restored per rank
     state = {"model": model, "optim": opt, "rng": flashckpt.RNG()}
-    ckpt = flashckpt.Checkpointer(args.root, async_save=True, dist_timeout_s=args.timeout)
-    start = ckpt.restore(state) or 0
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if rank == 0:
-        print(f"attempt {attempt}: world {world}, resumed from step {start}", flush=True)
-    t0 = time.perf_counter()
-    loss = torch.tensor(0.0)
-    for step in range(start + 1, args.steps + 1):
-        if args.crash_at == step and attempt == 0:
-            print(f"rank {rank}: crashing at step {step}", flush=True)
-            os._exit(1)
-        xy = batch(tokens, step, rank, args.batch, cfg.block_size)
-        if device is not None:
-            xy = xy.to(device)
-        _, loss_t = model(xy[:, :-1], xy[:, 1:])
-        if loss_t is None:
-            raise RuntimeError("GPT returned no loss although targets were given")
-        opt.zero_grad()
-        loss_t.backward()
-        opt.step()
-        loss = loss_t.detach()
-        if step % args.save_every == 0:
-            ckpt.save(step, state)
-        if rank == 0 and (step % 5 == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
-    ckpt.close()
+    with flashckpt.Checkpointer(args.root, async_save=True, dist_timeout_s=args.timeout) as ckpt:
+        start = ckpt.restore(state) or 0
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if rank == 0:
+            print(f"attempt {attempt}: world {world}, resumed from step {start}", flush=True)
+        t0 = time.perf_counter()
+        for step in range(start + 1, args.steps + 1):
+            if args.crash_at == step and attempt == 0:
+                print(f"rank {rank}: crashing at step {step}", flush=True)
+                os._exit(1)
+            xy = batch(tokens, step, rank, args.batch, cfg.block_size)
+            if device is not None:
+                xy = xy.to(device)
+            _, loss_t = model(xy[:, :-1], xy[:, 1:])
+            if loss_t is None:
+                raise RuntimeError("GPT returned no loss although targets were given")
+            opt.zero_grad()
+            loss_t.backward()
+            opt.step()
+            if step % args.save_every == 0:
+                ckpt.save(step, state)
+            if rank == 0 and (step % 5 == 0 or step == args.steps):
+                print(f"step {step:4d}  loss {loss_t.item():.4f}", flush=True)
+    # the with block closed the Checkpointer: the last save is durable on every rank
     total = sum(p.full_tensor().double().sum().item() for p in model.parameters())  # type: ignore[attr-defined]
+    dist.barrier()  # every rank is past its last collective before any rank tears down
     if rank == 0:
         print(f"done: step {args.steps}, {time.perf_counter() - t0:.1f}s, checksum {total:.10e}")
-    dist.destroy_process_group()
     return 0
 
 

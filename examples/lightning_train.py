@@ -2,6 +2,8 @@
 
 python examples/lightning_train.py --dir runs/lit --epochs 2
 python examples/lightning_train.py --dir runs/lit --epochs 4     # resumes at epoch 2
+
+Each run resumes from the checkpoint with the highest step (``latest_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from flashckpt.integrations.lightning import FlashCkptIO
+from flashckpt.integrations.lightning import FlashCkptIO, latest_checkpoint
 
 
 class Regressor(L.LightningModule):  # type: ignore[misc]
@@ -51,8 +53,9 @@ def main() -> None:
         accelerator="cpu",
         logger=False,
     )
-    last = sorted((Path(args.dir) / "checkpoints").glob("*.ckpt"))
-    trainer.fit(Regressor(), loader, ckpt_path=str(last[-1]) if last else None)
+    last = latest_checkpoint(Path(args.dir) / "checkpoints")  # newest by step, not by name
+    print(f"resuming from {last.name if last else 'scratch'}", flush=True)
+    trainer.fit(Regressor(), loader, ckpt_path=str(last) if last else None)
     print(f"done at step {trainer.global_step}; try: flashckpt ls {args.dir}/flashckpt")
 
 

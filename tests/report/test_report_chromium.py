@@ -126,3 +126,46 @@ def test_screenshot_shows_the_charts(rendered: tuple[Path, Path]) -> None:
         assert _count(rows, rgb) >= at_least, rgb
     # nothing is drawn past the content: the bottom rows are plain background
     assert len(set(rows[-1])) <= 3
+
+
+# Measures every chart's text in the browser (injected into a copy of the page; the report
+# itself has no scripts): labels outside their chart (clipped) and axis titles overlapping
+# tick labels.
+_PROBE = """<script>
+const bad = [];
+for (const svg of document.querySelectorAll("svg.chart")) {
+  const box = svg.getBoundingClientRect();
+  const name = svg.getAttribute("aria-label");
+  const texts = [...svg.querySelectorAll("text")];
+  for (const t of texts) {
+    const r = t.getBoundingClientRect();
+    if (r.left < box.left - 0.5 || r.right > box.right + 0.5)
+      bad.push(`${name}: '${t.textContent}' clipped`);
+  }
+  const title = texts.find(t => (t.getAttribute("transform") || "").startsWith("rotate"));
+  for (const t of texts.filter(t => t.classList.contains("tick"))) {
+    const a = title.getBoundingClientRect(), b = t.getBoundingClientRect();
+    if (a.right > b.left && a.left < b.right && a.bottom > b.top && a.top < b.bottom)
+      bad.push(`${name}: axis title overlaps '${t.textContent}'`);
+  }
+}
+document.body.insertAdjacentHTML("beforeend",
+  `<pre id="probe">${bad.length ? bad.join("\\n") : "ALL-LABELS-FIT"}</pre>`);
+</script>"""
+
+
+def test_labels_are_readable_in_the_browser(
+    tmp_path: Path, journal_factory: Callable[[], list[dict[str, Any]]]
+) -> None:
+    events = [e for e in journal_factory() if e["event"] != "bench"]  # no raw-device line
+    for e in events:  # ~0.93 GiB/s: the y axis counts up to 1000 MiB/s
+        if e["event"] == "durable":
+            e["throughput_Bps"] = 1.0e9
+    html = build_report(events, gpu_hour_price=2.5)
+    assert "e+" not in html.split("<footer>")[0]  # no exponent notation on any label
+    page = tmp_path / "probe.html"
+    page.write_text(html.replace("</body>", _PROBE + "</body>"), encoding="utf-8")
+    dom = _run(["--dump-dom", page.as_uri()], tmp_path)
+    probe = dom.rsplit('<pre id="probe">', 1)[1].split("</pre>", 1)[0]  # the last: not the script
+    assert probe == "ALL-LABELS-FIT"
+    assert "1000 MiB/s" in dom

@@ -92,3 +92,21 @@ def test_many_saves_and_odd_values_do_not_break_charts(events: list[dict[str, An
     events.append({"t": t + 800, "event": "interval", "interval_s": None, "policy": "every"})
     html = build_report(events)
     assert html.count("<svg") == 6 and "nan" not in html.lower().replace("nano", "")
+
+
+def _ticks_s(html: str, chart: str) -> list[float]:
+    svg = html.split(f'aria-label="{chart}"', 1)[1].split("</svg>", 1)[0]
+    scale = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86_400.0}
+    out = []
+    for value, unit in re.findall(r'class="tick">([0-9.]+) (ms|s|min|h|d)</text>', svg):
+        out.append(float(value) * scale[unit])
+    return out
+
+
+def test_timelines_run_to_the_end_of_the_run(events: list[dict[str, Any]]) -> None:
+    t0 = events[0]["t"]
+    end = events[-1]["t"] - t0 + 3 * 3600  # three quiet hours after the last incident
+    events.append({"t": t0 + end, "event": "run_end", "step": 2000})
+    html = build_report(events)
+    for chart in ("failures and lost work", "GPU memory by phase", "interval decisions"):
+        assert max(_ticks_s(html, chart)) >= 0.8 * end, chart

@@ -123,3 +123,68 @@ def test_journal_appends_from_processes_never_interleave(tmp_path: Path) -> None
     assert len(lines) == 800
     assert all(json.loads(line)["event"] == "step_time" for line in lines)
     assert len({json.loads(line)["pid"] for line in lines}) == 4
+
+
+def _durable(t: float, step: int, rank: int, new: float, tier: str = "local") -> dict[str, Any]:
+    return {
+        "t": t,
+        "event": "durable",
+        "step": step,
+        "rank": rank,
+        "tier": tier,
+        "background_s": 2.0 if rank == 0 else 4.0,
+        "total_bytes": 2 * new,
+        "new_bytes": new,
+        "reused_bytes": new,
+        "throughput_Bps": new / 2.0,
+    }
+
+
+def test_bytes_are_summed_over_ranks_and_saves_counted_once() -> None:
+    evs: list[dict[str, Any]] = []
+    for step, t in ((10, 0.0), (20, 10.0)):
+        for rank in (0, 1):
+            evs += [
+                {"t": t, "event": "save_start", "step": step, "rank": rank},
+                {"t": t + 0.1, "event": "staged", "step": step, "blocking_s": 0.1, "rank": rank},
+            ]
+        evs.append(_durable(t + 2, step, 0, 341_000.0))  # rank 0 owns fewer bytes ...
+        evs.append(_durable(t + 4, step, 1, 341_000.0 * 1.5))  # ... than rank 1
+        evs.append(_durable(t + 5, step, 0, 341_000.0, tier="remote"))  # promotion: not counted
+    s = summarize(evs)
+    assert s.saves == 2 and s.gpus == 2
+    assert s.bytes_new == 2 * 341_000.0 * 2.5 and s.bytes_reused == s.bytes_new
+    recs = save_records(evs)
+    assert [r.ranks for r in recs] == [2, 2]
+    assert recs[0].total_bytes == 2 * 341_000.0 * 2.5
+    assert recs[0].throughput_Bps == 341_000.0 * 2.5 / 4.0  # all new bytes over the slowest rank
+
+
+def test_restore_counted_once_however_many_parts() -> None:
+    # the HF integration restores one step in four parts (state, model, optim+sched, rng)
+    evs: list[dict[str, Any]] = [{"t": 0.0, "event": "run_start", "pid": 7}]
+    evs += [
+        {"t": 1.0 + i, "event": "restore", "step": 8, "seconds": 0.5, "pid": 7} for i in range(4)
+    ]
+    evs += [{"t": 9.0, "event": "save_start", "step": 12, "pid": 7}]
+    evs += [{"t": 10.0, "event": "restore", "step": 12, "seconds": 1.0, "pid": 7}]  # a new one
+    s = summarize(evs)
+    assert s.restores == 2 and s.restore_s == 3.0
+
+
+def test_steps_lost_counts_step_ticks_past_the_marker() -> None:
+    # the loop saved at step 10 and trained on to step 17, calling should_save only on saves:
+    # the run marker (crash_detected.last_step) and the engine's steps_lost say 10, the step
+    # ticks say 17
+    evs: list[dict[str, Any]] = [{"t": 0.0, "event": "run_start"}]
+    evs += [{"t": 1.0, "event": "save_start", "step": 10}]
+    evs += [{"t": 2.0 + i, "event": "step", "step": 11 + i} for i in range(7)]
+    evs += [
+        {"t": 50.0, "event": "crash_detected", "last_step": 10, "since_t": 9.0},
+        {"t": 50.0, "event": "run_start", "clean_previous": False},
+        {"t": 51.0, "event": "restore", "step": 10, "seconds": 1.0},
+        {"t": 51.0, "event": "steps_lost", "from_step": 11, "to_step": 10, "steps": 0},
+    ]
+    assert summarize(evs).steps_lost == 7
+    without_ticks = [e for e in evs if e["event"] != "step"]
+    assert summarize(without_ticks).steps_lost == 0  # what the marker alone knows

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -12,24 +13,34 @@ from flashckpt.errors import ConfigError, FlashCkptError, StorageError
 from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
-FORMATS = ("safetensors", "torch", "dcp")
+FORMATS = ("safetensors", "torch", "dcp", "hf")
+T = TypeVar("T")
 
 
 def register_export(sub: Any) -> None:
     p = sub.add_parser(
         "export",
-        help="write a step as a plain state_dict (safetensors, torch.save or a DCP directory), "
-        "sharded steps merged",
+        help="write a step as a plain state_dict (safetensors, torch.save), a DCP directory in "
+        "DCP's own layout, or a Hugging Face from_pretrained directory; sharded steps merged",
     )
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("out", metavar="OUT", help="output file (a new directory for --format dcp)")
+    p.add_argument(
+        "out", metavar="OUT", help="output file (a new directory for --format dcp and hf)"
+    )
     p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument(
         "--prefix",
         default=None,
         help="export only keys under this state entry (e.g. model), with the prefix "
-        "removed, so the file loads with model.load_state_dict",
+        "removed, so the file loads with model.load_state_dict (dcp: the model-only form; "
+        "hf: the entry holding the model, default model)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="hf: config.json (or a directory holding one) to write with the weights "
+        "(default: the config the saved state carries)",
     )
     p.set_defaults(func=cmd_export)
 
@@ -65,25 +76,47 @@ def check_output(out: Path, *, directory: bool) -> None:
         raise ConfigError(f"{out} exists and is not a directory; --format dcp needs a directory")
 
 
+def _writing(out: Path, write: Callable[[], T]) -> T:
+    """Run ``write``; an error of the writer (OSError, safetensors' or torch's RuntimeError)
+    becomes one StorageError naming ``out`` (the CLI prints one line, exit 2)."""
+    try:
+        return write()
+    except FlashCkptError:
+        raise
+    except Exception as exc:
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+        raise StorageError(
+            f"cannot write {out} ({type(exc).__name__}: {reason}); choose a writable OUT path"
+        ) from None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from flashckpt.cli.store_cmds import open_store, pick_step
 
     out = Path(args.out)
-    check_output(out, directory=args.format == "dcp")
+    check_output(out, directory=args.format in ("dcp", "hf"))
+    if args.format == "hf" or (args.format == "dcp" and not args.prefix):
+        from flashckpt.integrations.interop import export
+
+        step = _writing(
+            out,
+            lambda: export(
+                args.root,
+                args.out,
+                format=args.format,
+                step=args.step,
+                prefix=args.prefix,
+                config=args.config,
+            ),
+        )
+        print(f"exported step {step} -> {args.out} ({args.format})")
+        return 0
     store = open_store(args.root)
     step = pick_step(store, args.step)
     tensors = full_tensors(store, store.load_manifest(step), args.prefix)
     if not tensors:
         raise ConfigError(f"step {step} has no tensors under prefix {args.prefix!r}")
-    try:
-        _write(tensors, out, args.format, step)
-    except FlashCkptError:
-        raise
-    except Exception as exc:  # OSError, safetensors' and torch's RuntimeErrors
-        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
-        raise StorageError(
-            f"cannot write {out} ({type(exc).__name__}: {reason}); choose a writable OUT path"
-        ) from None
+    _writing(out, lambda: _write(tensors, out, args.format, step))
     print(f"exported step {step}: {len(tensors)} tensors -> {out} ({args.format})")
     return 0
 

@@ -6,6 +6,9 @@ Each lives in its own module and imports its library only when used, so importin
 - :mod:`flashckpt.integrations.hf` — ``FlashCkptCallback`` and ``resume(trainer)``
 - :mod:`flashckpt.integrations.lightning` — ``FlashCkptIO`` (a Lightning ``CheckpointIO``)
 - :mod:`flashckpt.integrations.interop` — ``export``, ``export_dcp``, ``import_checkpoint``
+- :mod:`flashckpt.integrations.dcp_layout` — DCP's own nested layout: ``import_dcp``,
+  ``OptimizerByName`` (optimizer state keyed by parameter FQN)
+- :mod:`flashckpt.integrations.hf_export` — ``export_hf`` (a ``from_pretrained`` directory)
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from typing import Any
 _LAZY = {
     "FlashCkptCallback": "hf",
     "FlashCkptIO": "lightning",
+    "OptimizerByName": "dcp_layout",
+    "export_hf": "hf_export",
+    "import_dcp": "dcp_layout",
+    "latest_checkpoint": "lightning",
     "export": "interop",
     "export_dcp": "interop",
     "import_checkpoint": "interop",

@@ -1,7 +1,10 @@
 """Checkpoints in and out: DCP, safetensors and ``torch.save`` files.
 
-Export (``flashckpt export ROOT OUT --format dcp|safetensors|torch``) writes the torch tensors
-of one step, full (shards merged), as a *flat* dict ``{flashckpt key: tensor}``; keys are the
+Export (``flashckpt export ROOT OUT --format dcp|safetensors|torch|hf``): ``dcp`` without a
+prefix writes the nested layout DCP itself writes (:mod:`flashckpt.integrations.dcp_layout`),
+``hf`` a ``from_pretrained`` directory (:mod:`flashckpt.integrations.hf_export`). The others
+write the torch tensors of one step, full (shards merged), as a *flat* dict
+``{flashckpt key: tensor}``; keys are the
 flashckpt keys (``model/transformer.h.0.attn.c_attn.weight``, ``optim/state/0/exp_avg``), or,
 with ``prefix="model"``, the keys under that entry with the prefix removed, so the result loads
 with ``model.load_state_dict``. Only tensors travel: JSON values (step counters, learning rates)
@@ -43,6 +46,7 @@ from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError, Uns
 log = logging.getLogger(__name__)
 
 FORMATS = ("dcp", "torch", "safetensors")
+EXPORT_FORMATS = (*FORMATS, "hf")
 _NO_SAFETENSORS = "safetensors is not installed: pip install 'flashckpt[safetensors]'"
 _SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
@@ -110,10 +114,23 @@ def export(
     format: str = "safetensors",
     step: int | None = None,
     prefix: str | None = None,
+    config: Any = None,
 ) -> int:
-    """Export one step of ``root`` to ``out`` (a directory for ``dcp``); returns the step."""
-    if format not in FORMATS:
-        raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
+    """Export one step of ``root`` to ``out`` (a directory for ``dcp``); returns the step.
+
+    ``dcp`` without a prefix is the nested layout of :mod:`flashckpt.integrations.dcp_layout`;
+    ``hf`` is a ``from_pretrained`` directory (:mod:`flashckpt.integrations.hf_export`).
+    """
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"format must be one of {EXPORT_FORMATS}, got {format!r}")
+    if format == "dcp" and prefix is None:  # nested, in DCP's own layout
+        from flashckpt.integrations.dcp_layout import export_dcp as export_nested
+
+        return export_nested(root, out, step=step)
+    if format == "hf":
+        from flashckpt.integrations.hf_export import export_hf
+
+        return export_hf(root, out, step=step, prefix=prefix or "model", config=config)
     step, tensors = read_tensors(root, step=step, prefix=prefix)
     if format == "dcp":
         write_dcp(tensors, out)

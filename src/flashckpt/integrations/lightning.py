@@ -2,10 +2,10 @@
 
 ::
 
-    from flashckpt.integrations.lightning import FlashCkptIO
+    from flashckpt.integrations.lightning import FlashCkptIO, latest_checkpoint
 
     trainer = L.Trainer(plugins=[FlashCkptIO("runs/lit/ckpt", async_save=True)], ...)
-    trainer.fit(module, ckpt_path="last")        # resumes from flashckpt like from a .ckpt
+    trainer.fit(module, ckpt_path=latest_checkpoint("runs/lit/checkpoints"))  # None: fresh
 
 Lightning keeps deciding when to save and which paths to keep (``ModelCheckpoint``: top-k,
 ``last.ckpt``); each ``.ckpt`` path it asks for becomes a small JSON *pointer file*
@@ -160,6 +160,24 @@ def read_pointer(path: Any) -> tuple[pathlib.Path, int]:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ManifestError(f"pointer file {path} names an invalid step {step!r}")
     return root, step
+
+
+def latest_checkpoint(directory: Any) -> pathlib.Path | None:
+    """The ``.ckpt`` pointer file in ``directory`` naming the newest step (None if there is
+    none). Compare steps, never names: ``epoch=3-step=64.ckpt`` sorts after
+    ``epoch=11-step=192.ckpt`` as text. Files that are not pointers are ignored; on equal steps
+    the most recently written wins (``last.ckpt`` next to its twin)."""
+    best: tuple[int, float, str] | None = None
+    found: pathlib.Path | None = None
+    for p in pathlib.Path(directory).glob("*.ckpt"):
+        try:
+            _root, step = read_pointer(p)
+            key = (step, p.stat().st_mtime, p.name)
+        except (ConfigError, ManifestError, OSError):
+            continue
+        if best is None or key > best:
+            best, found = key, p
+    return found
 
 
 def _points_to(p: pathlib.Path, root: pathlib.Path, step: int) -> bool:

@@ -147,7 +147,7 @@ def bytes_chart(recs: Sequence[SaveRecord]) -> str:
     )
 
 
-def memory(evs: Sequence[Event], t0: float) -> str:
+def memory(evs: Sequence[Event], t0: float, t_end: float | None = None) -> str:
     mem = [e for e in evs if e.get("event") == "memory"]
     phases: dict[str, list[Event]] = {}
     for e in mem:
@@ -178,10 +178,12 @@ def memory(evs: Sequence[Event], t0: float) -> str:
                 ],
             )
         )
-    return time_chart(title="GPU memory by phase", series=series, y_label="bytes", y_fmt=fmt_bytes)
+    return time_chart(
+        title="GPU memory by phase", series=series, y_label="bytes", y_fmt=fmt_bytes, x_end=t_end
+    )
 
 
-def intervals(evs: Sequence[Event], t0: float) -> str:
+def intervals(evs: Sequence[Event], t0: float, t_end: float | None = None) -> str:
     dec = [e for e in evs if e.get("event") == "interval" and num(e.get("interval_s")) is not None]
     xs = [float(e["t"]) - t0 for e in dec]
     notes = [
@@ -211,10 +213,12 @@ def intervals(evs: Sequence[Event], t0: float) -> str:
                 dash=True,
             )
         )
-    return time_chart(title="interval decisions", series=series, y_label="interval", y_fmt=fmt_s)
+    return time_chart(
+        title="interval decisions", series=series, y_label="interval", y_fmt=fmt_s, x_end=t_end
+    )
 
 
-def failures(evs: Sequence[Event], t0: float) -> str:
+def failures(evs: Sequence[Event], t0: float, t_end: float | None = None) -> str:
     markers = [
         Marker(
             x=float(e["t"]) - t0,
@@ -244,6 +248,7 @@ def failures(evs: Sequence[Event], t0: float) -> str:
         y_label="steps lost",
         y_fmt=fmt_num,
         markers=markers[-200:],
+        x_end=t_end,
     )
 
 

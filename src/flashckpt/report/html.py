@@ -48,7 +48,8 @@ def build_report(
         return _page(heading, "", body)
     evs = primary_events(events)
     t0 = float(evs[0]["t"])
-    recs = save_records(evs)
+    recs = save_records(events)
+    t_end = float(evs[-1]["t"]) - t0  # timelines run to the end of the run
     body = "".join(
         [
             _cards(summary),
@@ -61,9 +62,13 @@ def build_report(
             ),
             _fig("Throughput per save", ch.throughput(recs, summary), ch.raw_note(summary)),
             _fig("New vs reused bytes per save", ch.bytes_chart(recs), ch.cap_bytes(summary)),
-            _fig("Memory timeline by phase", ch.memory(evs, t0), ch.cap_memory(evs)),
-            _fig("Checkpoint interval decisions", ch.intervals(evs, t0), ch.cap_interval(summary)),
-            _fig("Failures and lost work", ch.failures(evs, t0), ch.cap_failures(summary)),
+            _fig("Memory timeline by phase", ch.memory(evs, t0, t_end), ch.cap_memory(evs)),
+            _fig(
+                "Checkpoint interval decisions",
+                ch.intervals(evs, t0, t_end),
+                ch.cap_interval(summary),
+            ),
+            _fig("Failures and lost work", ch.failures(evs, t0, t_end), ch.cap_failures(summary)),
             "</div>",
             _incidents(evs, t0),
         ]

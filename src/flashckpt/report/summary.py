@@ -1,6 +1,20 @@
 """Numbers from the run journal: per-save records and a run summary with goodput and cost.
 
-Only rank 0's events (or events without a rank) are counted; other ranks repeat them.
+Rank 0's events (or events without a rank) give the timeline: saves, restores and crashes are
+decided once for all ranks, so the other ranks' copies of them are not counted again. Bytes are
+the exception: each rank writes its own part of a save, so a save's bytes are summed over the
+``durable`` events of every rank (the landing tier of each).
+
+A restore is counted once per restore, however many ``restore`` events it journals: the HF
+integration, for one, restores the model, the optimizer and the RNG of one step separately, at
+the moments the Trainer asks for them. Consecutive ``restore`` events of the same step from the
+same process (no save or run start in between) are one restore, their seconds summed.
+
+Steps lost after a crash are the last step the crashed run is known to have reached minus the
+step restored next. The evidence is the ``crash_detected`` event's ``last_step`` (the run
+marker's last tick), the engine's ``steps_lost``, and any step-carrying event of the crashed run
+(``step`` ticks — one ``{"event": "step", "step": n}`` per training step or every few — as well
+as ``step_time``, ``save_start``, ``staged``); the largest wins.
 Optional journal extension read here: a ``bench`` (or ``device``) event, or any ``durable``
 event, may carry ``raw_Bps`` (raw device write bandwidth, optionally with ``tier``) so the report
 can compare checkpoint throughput with what the device can do.
@@ -46,13 +60,15 @@ def load_events(root_or_events: str | Path | Iterable[Event]) -> list[Event]:
 @dataclass(frozen=True, kw_only=True)
 class SaveRecord:
     """One save: ``t_s`` seconds since the first event; ``durable_s`` from the save call until
-    the slowest tier reported durable (``None`` if never); bytes from the first tier."""
+    the slowest tier reported durable (``None`` if never); bytes from the first tier, summed
+    over the ``ranks`` that wrote a part of it."""
 
     step: int | None
     t_s: float
     blocking_s: float | None = None
     durable_s: float | None = None
     tiers: tuple[str, ...] = ()
+    ranks: int = 1
     total_bytes: float | None = None
     new_bytes: float | None = None
     reused_bytes: float | None = None
@@ -61,8 +77,11 @@ class SaveRecord:
 
 
 def save_records(events: Iterable[Event]) -> list[SaveRecord]:
-    """Group ``save_start``/``staged``/``durable``/``save_failed`` events by step, in order."""
-    evs = primary_events(events)
+    """Group ``save_start``/``staged``/``durable``/``save_failed`` events by step, in order.
+
+    Timing comes from rank 0; bytes are summed over the ranks (see the module docstring)."""
+    all_events = list(events)
+    evs = primary_events(all_events)
     t0 = float(evs[0]["t"]) if evs else 0.0
     by_step: dict[Any, dict[str, Any]] = {}
     for e in evs:
@@ -79,7 +98,33 @@ def save_records(events: Iterable[Event]) -> list[SaveRecord]:
             rec["failed"] = str(e.get("error", "unknown error"))
         else:
             _add_durable(rec, e, t)
+    _sum_ranks(by_step, all_events)
     return [_record(r, t0) for r in by_step.values()]
+
+
+_BYTES = ("total_bytes", "new_bytes", "reused_bytes")
+
+
+def _sum_ranks(by_step: dict[Any, dict[str, Any]], events: list[Event]) -> None:
+    """Bytes of each save summed over the landing-tier ``durable`` event of every rank."""
+    landing: dict[tuple[Any, Any], Event] = {}
+    for e in events:
+        if e.get("event") == "durable" and isinstance(e.get("rank"), int):
+            landing.setdefault((e.get("step"), e.get("rank")), e)
+    per_step: dict[Any, list[Event]] = defaultdict(list)
+    for (step, _rank), e in landing.items():
+        per_step[step].append(e)
+    for step, parts in per_step.items():
+        rec = by_step.get(step)
+        if rec is None or len(parts) < 2:
+            continue
+        for key in _BYTES:
+            vals = [num(p.get(key)) for p in parts]
+            rec[key] = sum(v for v in vals if v is not None) if any(vals) else rec.get(key)
+        slowest = max((num(p.get("background_s")) or 0.0 for p in parts), default=0.0)
+        if rec.get("new_bytes") is not None and slowest > 0:
+            rec["throughput_Bps"] = rec["new_bytes"] / slowest
+        rec["ranks"] = len(parts)
 
 
 def _add_durable(rec: dict[str, Any], e: Event, t: float) -> None:
@@ -108,12 +153,34 @@ def _record(r: dict[str, Any], t0: float) -> SaveRecord:
         blocking_s=r.get("blocking_s"),
         durable_s=durable,
         tiers=tuple(r["tiers"]),
+        ranks=int(r.get("ranks", 1)),
         total_bytes=r.get("total_bytes"),
         new_bytes=r.get("new_bytes"),
         reused_bytes=r.get("reused_bytes"),
         throughput_Bps=r.get("throughput_Bps"),
         failed=r.get("failed"),
     )
+
+
+def restores(evs: Iterable[Event]) -> list[dict[str, Any]]:
+    """One ``{"t", "step", "seconds", "parts"}`` per restore (see the module docstring)."""
+    out: list[dict[str, Any]] = []
+    open_key: tuple[Any, Any] | None = None
+    for e in evs:
+        name = e.get("event")
+        if name in ("save_start", "run_start", "crash_detected"):
+            open_key = None
+        if name != "restore":
+            continue
+        key = (e.get("pid"), e.get("step"))
+        secs = num(e.get("seconds")) or 0.0
+        if key == open_key and out:
+            out[-1]["seconds"] += secs
+            out[-1]["parts"] += 1
+        else:
+            out.append({"t": float(e["t"]), "step": e.get("step"), "seconds": secs, "parts": 1})
+            open_key = key
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,19 +245,39 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(vs) / len(vs) if vs else None
 
 
+_STEP_EVIDENCE = ("step", "step_time", "save_start", "staged")
+
+
 def _lost_steps(evs: list[Event]) -> int:
-    explicit = [num(e.get("steps")) for e in evs if e.get("event") == "steps_lost"]
-    if explicit:
-        return int(sum(v for v in explicit if v is not None and v > 0))
-    lost, pending = 0, None
-    for e in evs:  # fallback: crash's last step minus the step restored right after it
-        if e.get("event") == "crash_detected":
-            pending = num(e.get("last_step"))
-        elif e.get("event") == "restore" and pending is not None:
-            restored = num(e.get("step"))
-            lost += int(max(0.0, pending - restored)) if restored is not None else 0
-            pending = None
-    return lost
+    """Steps redone after crashes (see the module docstring for the evidence used)."""
+    crashes: list[dict[str, float | None]] = []
+    loose = 0.0  # steps_lost events without a crash event before them
+    reached: float | None = None  # the furthest step the current run is known to have reached
+    before: float | None = None  # the same for the run before the latest run_start
+    for e in evs:
+        name, step = e.get("event"), num(e.get("step"))
+        if name == "crash_detected":  # journaled next to the new run's run_start, either order
+            known = [v for v in (reached, before, num(e.get("last_step"))) if v is not None]
+            crashes.append({"reach": max(known) if known else None, "restored": None, "n": 0.0})
+            reached = before = None
+        elif name == "run_start":
+            reached, before = None, reached
+        elif name == "steps_lost":
+            n = num(e.get("steps")) or 0.0
+            if crashes:
+                crashes[-1]["n"] = max(crashes[-1]["n"] or 0.0, n)
+            else:
+                loose += n
+        elif name == "restore" and crashes and crashes[-1]["restored"] is None:
+            crashes[-1]["restored"] = step
+        if name in _STEP_EVIDENCE and step is not None:
+            reached = step if reached is None else max(reached, step)
+    lost = loose
+    for c in crashes:
+        reach, restored = c["reach"], c["restored"]
+        marker = max(0.0, reach - restored) if reach is not None and restored is not None else 0.0
+        lost += max(marker, c["n"] or 0.0)
+    return int(lost)
 
 
 def summarize(
@@ -208,7 +295,7 @@ def summarize(
         gpus = max(1, len(ranks))
     if not evs:
         return RunSummary(events=0, gpus=gpus, gpu_hour_price=gpu_hour_price)
-    recs = save_records(evs)
+    recs = save_records(all_events)
     kinds: dict[str, list[Event]] = defaultdict(list)
     for e in evs:
         kinds[str(e.get("event"))].append(e)
@@ -216,7 +303,8 @@ def summarize(
     step_time = _mean(num(e.get("seconds")) for e in kinds["step_time"])
     lost_steps = _lost_steps(evs)
     blocking = sum(r.blocking_s or 0.0 for r in recs)
-    restore_s = sum(num(e.get("seconds")) or 0.0 for e in kinds["restore"])
+    restored = restores(evs)
+    restore_s = sum(r["seconds"] for r in restored)
     lost_s = lost_steps * (step_time or 0.0)
     gap_s = sum(hist.gaps_s)
     wall = hist.uptime_s + gap_s
@@ -243,7 +331,7 @@ def summarize(
         bytes_reused=sum(r.reused_bytes or 0.0 for r in recs),
         mean_throughput_Bps=_mean(r.throughput_Bps for r in recs),
         raw_Bps=max((v for v in raw if v is not None), default=None),
-        restores=len(kinds["restore"]),
+        restores=len(restored),
         restore_s=restore_s,
         crashes=hist.failures,
         corrupt=len(kinds["corrupt"]),

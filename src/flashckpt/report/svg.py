@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
-from flashckpt.units import format_bytes
-
 W, H = 640, 260
 LEFT, RIGHT, TOP, BOTTOM = 70, 16, 34, 44
+TICK_CHAR_PX = 6.6  # the widest average glyph advance of the 11px tick font (system-ui)
+TITLE_PX = 24  # room for the rotated y-axis title left of the tick labels
 PALETTE = ("#2563eb", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#0891b2", "#db2777", "#65a30d")
 
 Fmt = Callable[[float], str]
@@ -26,21 +26,37 @@ def esc(value: object) -> str:
     return escape(str(value), quote=True)
 
 
+def sig3(v: float) -> str:
+    """About 3 significant digits, never in exponent notation (``1000``, ``12.5``, ``0.25``)."""
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 1e-3 or v == 0:
+        return f"{v:.3g}"
+    return f"{v:.1e}"  # not reached by the charts' units; still readable
+
+
 def fmt_num(v: float) -> str:
     if v == 0:
         return "0"
     a = abs(v)
     if a >= 1e9:
-        return f"{v / 1e9:.3g}G"
+        return f"{sig3(v / 1e9)}G"
     if a >= 1e6:
-        return f"{v / 1e6:.3g}M"
+        return f"{sig3(v / 1e6)}M"
     if a >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    return f"{v:.3g}"
+        return f"{sig3(v / 1e3)}k"
+    return sig3(v)
+
+
+_BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
 
 
 def fmt_bytes(v: float) -> str:
-    return format_bytes(v, significant=3)
+    """Binary units, 3 significant digits, no exponent (``1000 MiB``, not ``1e+03 MiB``)."""
+    for unit, scale in _BINARY:
+        if abs(v) >= scale:
+            return f"{sig3(v / scale)} {unit}"
+    return f"{int(v)} B"
 
 
 def fmt_rate(v: float) -> str:
@@ -50,14 +66,14 @@ def fmt_rate(v: float) -> str:
 def fmt_s(v: float) -> str:
     a = abs(v)
     if a >= 86_400:
-        return f"{v / 86_400:.3g} d"
+        return f"{sig3(v / 86_400)} d"
     if a >= 3600:
-        return f"{v / 3600:.3g} h"
+        return f"{sig3(v / 3600)} h"
     if a >= 60:
-        return f"{v / 60:.3g} min"
+        return f"{sig3(v / 60)} min"
     if a >= 1 or a == 0:
-        return f"{v:.3g} s"
-    return f"{v * 1000:.3g} ms"
+        return f"{sig3(v)} s"
+    return f"{sig3(v * 1000)} ms"
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -118,10 +134,23 @@ class _Frame:
     x1: float
     y0: float
     y1: float
+    y_fmt: Fmt = fmt_num
     parts: list[str] = field(default_factory=list)
 
+    left: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        # the plot's left edge: wide enough for the longest y tick label and the axis title,
+        # so neither is clipped nor overlaps the other
+        longest = max((len(self.y_fmt(y)) for y in self.y_ticks()), default=1)
+        self.left = max(float(LEFT), TITLE_PX + 6 + TICK_CHAR_PX * longest)
+
+    def y_ticks(self) -> list[float]:
+        return [y for y in unit_ticks(self.y1, self.y_fmt) if y <= self.y1 + 1e-12]
+
     def sx(self, x: float) -> float:
-        return LEFT + (x - self.x0) / ((self.x1 - self.x0) or 1.0) * (W - LEFT - RIGHT)
+        left = self.left
+        return left + (x - self.x0) / ((self.x1 - self.x0) or 1.0) * (W - left - RIGHT)
 
     def sy(self, y: float) -> float:
         return H - BOTTOM - (y - self.y0) / ((self.y1 - self.y0) or 1.0) * (H - TOP - BOTTOM)
@@ -142,33 +171,32 @@ def empty_chart(title: str, message: str = "no data yet") -> str:
     )
 
 
-def _axes(f: _Frame, *, y_fmt: Fmt, y_label: str, x_label: str) -> None:
-    for y in unit_ticks(f.y1, y_fmt):
-        if y > f.y1 + 1e-12:
-            continue
+def _axes(f: _Frame, *, y_label: str, x_label: str) -> None:
+    left = f.left
+    for y in f.y_ticks():
         py = f.sy(y)
         f.parts.append(
-            f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py:.1f}" y2="{py:.1f}" class="grid"/>'
+            f'<line x1="{left:.1f}" x2="{W - RIGHT}" y1="{py:.1f}" y2="{py:.1f}" class="grid"/>'
         )
         f.parts.append(
-            f'<text x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" class="tick">'
-            f"{esc(y_fmt(y))}</text>"
+            f'<text x="{left - 6:.1f}" y="{py + 4:.1f}" text-anchor="end" class="tick">'
+            f"{esc(f.y_fmt(y))}</text>"
         )
     f.parts.append(
         f'<text x="14" y="{(H - BOTTOM + TOP) / 2}" class="axis" text-anchor="middle" '
         f'transform="rotate(-90 14 {(H - BOTTOM + TOP) / 2})">{esc(y_label)}</text>'
     )
     f.parts.append(
-        f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 6}" class="axis" '
+        f'<text x="{(left + W - RIGHT) / 2:.1f}" y="{H - 6}" class="axis" '
         f'text-anchor="middle">{esc(x_label)}</text>'
     )
     f.parts.append(
-        f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="base"/>'
+        f'<line x1="{left:.1f}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="base"/>'
     )
 
 
 def _legend(f: _Frame, series: Sequence[Series | Marker]) -> None:
-    x = float(LEFT)
+    x = f.left
     for s in series:
         label, color = s.label, s.color
         if isinstance(s, Marker):
@@ -205,10 +233,11 @@ def bar_chart(
     n = len(categories)
     if n == 0 or not series:
         return empty_chart(title)
-    f = _Frame(x0=0.0, x1=float(n), y0=0.0, y1=unit_ticks(_max_y(series, stacked), y_fmt)[-1])
-    _axes(f, y_fmt=y_fmt, y_label=y_label, x_label=x_label)
+    y1 = unit_ticks(_max_y(series, stacked), y_fmt)[-1]
+    f = _Frame(x0=0.0, x1=float(n), y0=0.0, y1=y1, y_fmt=y_fmt)
+    _axes(f, y_label=y_label, x_label=x_label)
     bars = [s for s in series if s.kind == "bar"]
-    band = (W - LEFT - RIGHT) / n
+    band = (W - f.left - RIGHT) / n
     width = band * 0.8 / (1 if stacked or not bars else len(bars))
     base = [0.0] * n
     for j, s in enumerate(bars):
@@ -273,21 +302,26 @@ def time_chart(
     x_label: str = "time since start",
     y_fmt: Fmt = fmt_num,
     markers: Sequence[Marker] = (),
+    x_end: float | None = None,
 ) -> str:
-    """Series against ``xs`` in seconds since the start, with vertical ``markers``."""
+    """Series against ``xs`` in seconds since the start, with vertical ``markers``; the time
+    axis runs to ``x_end`` (the end of the run) when given, else to the last point."""
     xs_all = [x for s in series for x in (s.xs or ())] + [m.x for m in markers]
     ys_all = [y for s in series for y in s.ys if y is not None]
     if not xs_all or (not ys_all and not markers):
         return empty_chart(title)
-    x1 = max(xs_all) if max(xs_all) > 0 else 1.0
+    x1 = max([*xs_all, x_end or 0.0])
+    x1 = x1 if x1 > 0 else 1.0
     top = max(ys_all) if ys_all and max(ys_all) > 0 else 1.0
-    f = _Frame(x0=0.0, x1=x1, y0=0.0, y1=unit_ticks(top, y_fmt)[-1])
-    _axes(f, y_fmt=y_fmt, y_label=y_label, x_label=x_label)
+    f = _Frame(x0=0.0, x1=x1, y0=0.0, y1=unit_ticks(top, y_fmt)[-1], y_fmt=y_fmt)
+    _axes(f, y_label=y_label, x_label=x_label)
     for x in unit_ticks(x1, fmt_s, 6):
-        if x <= x1:
+        if x <= x1:  # a label that would run past the right edge ends at the tick instead
+            px, label = f.sx(x), fmt_s(x)
+            anchor = "end" if px + TICK_CHAR_PX * len(label) / 2 > W - 2 else "middle"
             f.parts.append(
-                f'<text x="{f.sx(x):.1f}" y="{H - BOTTOM + 15}" text-anchor="middle" '
-                f'class="tick">{esc(fmt_s(x))}</text>'
+                f'<text x="{px:.1f}" y="{H - BOTTOM + 15}" text-anchor="{anchor}" '
+                f'class="tick">{esc(label)}</text>'
             )
     for k, m in enumerate(markers):
         px = f.sx(m.x)

@@ -1,0 +1,162 @@
+"""A step as a Hugging Face model directory: ``from_pretrained(DIR)`` loads it offline.
+
+``flashckpt export ROOT DIR --format hf`` (:func:`export_hf`) writes, from the state entry that
+holds the model (``prefix``, default ``"model"``; keys are the model's own ``state_dict`` names):
+
+- ``config.json``: the ``config=`` given (a dict, a ``PretrainedConfig``, a ``config.json`` file
+  or a directory holding one), else the ``hf_config`` entry of the saved state (the HF
+  ``FlashCkptCallback`` saves ``model.config`` there), else none — then ``from_pretrained``
+  needs ``config=`` from the caller;
+- ``model.safetensors`` (metadata ``{"format": "pt"}``), or above ``max_shard_size`` (default
+  5 GB, as ``save_pretrained``) ``model-0000i-of-0000n.safetensors`` shards and
+  ``model.safetensors.index.json`` mapping each tensor to its shard.
+
+A weight tied to another (``lm_head.weight`` to the embeddings, when the config says
+``tie_word_embeddings``) is written once, as ``save_pretrained`` does; ``from_pretrained`` ties
+it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashckpt.errors import ConfigError
+from flashckpt.units import parse_bytes
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENTRY = "hf_config"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD = 5 * 10**9
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """``config`` (dict, PretrainedConfig, config.json path or its directory) as a dict."""
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read a config.json from {config}: {exc}") from exc
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return out
+
+
+def _tied_duplicates(weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> set[str]:
+    if not config.get("tie_word_embeddings", True) or "lm_head.weight" not in weights:
+        return set()
+    head = weights["lm_head.weight"]
+    for key, t in weights.items():
+        embedding = key.endswith(("wte.weight", "embed_tokens.weight"))
+        if embedding and t.shape == head.shape and torch.equal(t, head):
+            return {"lm_head.weight"}
+    return set()
+
+
+def shard(
+    weights: Mapping[str, torch.Tensor], max_shard_bytes: int
+) -> list[dict[str, torch.Tensor]]:
+    """Split ``weights`` in order into shards of at most ``max_shard_bytes`` (one tensor may
+    exceed it alone, as in ``save_pretrained``)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in weights.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += n
+    return shards
+
+
+def write_hf(
+    weights: Mapping[str, torch.Tensor],
+    out: str | os.PathLike[str],
+    *,
+    config: Mapping[str, Any] | None,
+    max_shard_size: int | str = DEFAULT_SHARD,
+) -> list[Path]:
+    """Write ``weights`` (and ``config``) as a from_pretrained directory; the files written."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ConfigError("export --format hf needs: pip install 'flashckpt[safetensors]'") from exc
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; hf output needs a new directory")
+    out_path.mkdir(parents=True, exist_ok=True)
+    drop = _tied_duplicates(weights, config or {})
+    kept = {k: v.contiguous() for k, v in weights.items() if k not in drop}
+    shards = shard(kept, parse_bytes(max_shard_size, name="max_shard_size"))
+    files: list[Path] = []
+    if config is not None:
+        files.append(out_path / "config.json")
+        files[-1].write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, part in zip(names, shards):
+        save_file(part, str(out_path / name), metadata={"format": "pt"})
+        files.append(out_path / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in kept.values())},
+            "weight_map": {k: name for name, part in zip(names, shards) for k in part},
+        }
+        files.append(out_path / INDEX_NAME)
+        files[-1].write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+def export_hf(
+    root: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    prefix: str = "model",
+    config: Any = None,
+    max_shard_size: int | str = DEFAULT_SHARD,
+) -> int:
+    """Export the model entry ``prefix`` of one step (newest by default); returns the step."""
+    from flashckpt.integrations.saved import load_step
+
+    saved = load_step(root, step=step)
+    weights = saved.entries.get(prefix)
+    if not isinstance(weights, Mapping) or not weights:
+        raise ConfigError(
+            f"step {saved.step} of {root} has no model entry {prefix!r} "
+            f"(entries: {sorted(saved.entries)}); pass --prefix NAME"
+        )
+    bad = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ConfigError(
+            f"entry {prefix!r} of step {saved.step} is not a flat state_dict (key {bad[0]!r})"
+        )
+    if config is not None:
+        cfg: dict[str, Any] | None = config_dict(config)
+    elif isinstance(saved.entries.get(CONFIG_ENTRY), Mapping):
+        cfg = dict(saved.entries[CONFIG_ENTRY])
+    else:
+        cfg = None
+        log.warning(
+            "export: step %d carries no %r entry; writing no config.json", saved.step, CONFIG_ENTRY
+        )
+    files = write_hf(weights, out, config=cfg, max_shard_size=max_shard_size)
+    log.info("exported step %d of %s as HF -> %s", saved.step, root, [f.name for f in files])
+    return saved.step

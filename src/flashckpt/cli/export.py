@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from flashckpt.errors import ConfigError, FlashCkptError, StorageError
-from flashckpt.store.manifest import Manifest
-from flashckpt.store.store import CheckpointStore
+from flashckpt.integrations.saved import full_tensors
 
 FORMATS = ("safetensors", "torch", "dcp", "hf")
 T = TypeVar("T")
@@ -43,23 +42,6 @@ def register_export(sub: Any) -> None:
         "(default: the config the saved state carries)",
     )
     p.set_defaults(func=cmd_export)
-
-
-def full_tensors(
-    store: CheckpointStore, manifest: Manifest, prefix: str | None
-) -> dict[str, torch.Tensor]:
-    """Every torch tensor of a checkpoint, full (shards merged), on CPU."""
-    from flashckpt.engine.reader import read_tensors
-
-    keys = [
-        k
-        for k, e in manifest.tensors.items()
-        if e.kind == "torch" and (not prefix or k.startswith(prefix + "/"))
-    ]
-    loaded = read_tensors(store, manifest, keys)
-    if prefix:
-        return {k[len(prefix) + 1 :]: v for k, v in loaded.items()}
-    return dict(loaded)
 
 
 def check_output(out: Path, *, directory: bool) -> None:

@@ -68,9 +68,9 @@ def plan_memory(cfg: dict[str, Any]) -> list[str]:
 
 
 def show_report(cfg: dict[str, Any], out: Path) -> None:
-    from flashckpt.cli.status import format_status
     from flashckpt.report import summarize, write_report
     from flashckpt.report.summary import load_events
+    from flashckpt.report.terminal import format_status
 
     say("\n[4/4] report")
     report = write_report(cfg["disk"], output=out / "report.html")

@@ -56,7 +56,7 @@ def read_tensors(
     root: str | os.PathLike[str], *, step: int | None = None, prefix: str | None = None
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """``(step, {key: full tensor on CPU})`` of a committed step (newest when ``step`` is None)."""
-    from flashckpt.cli.export import full_tensors
+    from flashckpt.integrations.saved import full_tensors
     from flashckpt.store.backend import LocalBackend
     from flashckpt.store.store import CheckpointStore
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from flashckpt.errors import ConfigError, NoCheckpointError
 from flashckpt.state.tree import decode_tree, tensor_refs
 from flashckpt.store.manifest import Manifest
@@ -77,3 +79,20 @@ def load_step(root: str | os.PathLike[str], *, step: int | None = None) -> Saved
 
     entries = {name: decode_tree(tree, lookup) for name, tree in wanted.items()}
     return SavedStep(root=str(root), step=step, manifest=manifest, entries=entries)
+
+
+def full_tensors(
+    store: CheckpointStore, manifest: Manifest, prefix: str | None
+) -> dict[str, torch.Tensor]:
+    """Every torch tensor of a checkpoint, full (shards merged), on CPU."""
+    from flashckpt.engine.reader import read_tensors
+
+    keys = [
+        k
+        for k, e in manifest.tensors.items()
+        if e.kind == "torch" and (not prefix or k.startswith(prefix + "/"))
+    ]
+    loaded = read_tensors(store, manifest, keys)
+    if prefix:
+        return {k[len(prefix) + 1 :]: v for k, v in loaded.items()}
+    return dict(loaded)

@@ -27,6 +27,16 @@ running under torch.distributed. Event names and their fields:
 ``interval``         ``policy``, ``interval_s``, ``interval_steps``, ``cost_s``, ``mtbf_s``,
                      ``restart_s``, ``persist_s``, ``reason``
 ``gc``               ``chunks_deleted``, ``bytes_deleted``
+``gc_skipped``       ``tier``, ``reason`` (a writer held the root, or something was unreadable)
+``vanished``         ``step``, ``tier``, ``error`` (deleted by retention while read: not damage)
+``tier_unavailable`` ``tier``, ``error``
+``promote_failed``   ``step``, ``src``, ``dst``, ``attempt``, ``error``, ``retry_in_s``
+``promote_abandoned`` ``step``, ``src``, ``dst``/``reason`` (given up, or dropped at close)
+``promote_skipped``  ``step``, ``newer`` (queue full with ``on_full="skip"``)
+``promote_stuck``    ``reason`` (the promoter did not stop at close; tier locks stay held)
+``save_abandoned``   ``step``, ``reason`` (process exit while the save was in flight)
+``damaged_step_replaced`` ``step``, ``tiers`` (a step restore found damaged, saved anew)
+``preempted``        ``step`` and the signal's timing (SIGTERM handling)
 ==================  ===========================================================================
 """
 

@@ -126,3 +126,24 @@ def test_root_id_is_created_once(tmp_path):
     (tmp_path / "r" / "root-id").write_text("../../etc\n")
     with pytest.raises(flashckpt.ConfigError, match="damaged"):
         tierid.find_root_id(tmp_path / "r")
+
+
+def test_second_root_refuses_the_first_roots_remote_tier(tmp_path):
+    """A remote prefix records the root it belongs to (``root-id``): a root with an id of its
+    own given another run's remote= is refused naming both; a fresh root adopts the id (it
+    continues that run after its local disk was lost) and restores from the remote."""
+    import torch
+
+    remote = f"memory://flashckpt-claim/{tmp_path.name}"
+    with flashckpt.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)})
+        assert ckpt.wait_promoted(60)
+    with flashckpt.Checkpointer(tmp_path / "b") as ckpt:  # run b: a root (and id) of its own
+        ckpt.save(1, {"w": torch.zeros(4)})
+    with pytest.raises(flashckpt.ConfigError, match="belongs to another checkpoint root"):
+        flashckpt.Checkpointer(tmp_path / "b", remote=remote)
+    state = {"w": torch.zeros(4)}
+    with flashckpt.Checkpointer(tmp_path / "a2", remote=remote) as ckpt:  # a new disk for a
+        assert ckpt.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(4))
+    assert (tmp_path / "a2" / "root-id").read_text() == (tmp_path / "a" / "root-id").read_text()

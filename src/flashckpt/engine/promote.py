@@ -236,6 +236,7 @@ class Promoter:
             if self._stopping:
                 return
             try:
+                dst.claim()  # a remote's root id, if it could not be checked at start
                 if not self._wants(dst, task.step):
                     return
                 t0 = time.perf_counter()

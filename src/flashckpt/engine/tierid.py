@@ -83,12 +83,13 @@ def find_root_id(root: Path) -> str | None:
         return None
 
 
-def ensure_root_id(root: Path) -> str:
-    """The id of the checkpoint root ``root``, created (atomically, once) if it has none."""
+def ensure_root_id(root: Path, *, new: str | None = None) -> str:
+    """The id of the checkpoint root ``root``, created (atomically, once) if it has none:
+    ``new`` when given (a fresh root adopting the id of the run it continues), else random."""
     found = find_root_id(root)
     if found is not None:
         return found
-    new = uuid.uuid4().hex
+    new = new or uuid.uuid4().hex
     tmp = f"{ROOT_ID_NAME}.tmp-{os.getpid()}-{new[:8]}"
     safeopen.write_file_atomic(root, tmp, f"{new}\n".encode())
     dfd = safeopen.open_dir(root)
@@ -167,3 +168,30 @@ def check_belongs(tier: Path, *, rid: str, local_root: Path, name: str = "memory
         f"root {recorded_local}), not to {local_root} (root id {rid}); two runs must not share "
         f"a tier. Give this run its own {name} tier path, or remove {tier} if that run is over"
     )
+
+
+def claim_remote(backend: Any, *, local_root: Path) -> None:
+    """Rule 1 for a remote tier (an object store has no owner or mode to check): the tier
+    holds ``root-id``. A new tier gets this root's id. A tier holding another root's id is
+    refused with a ConfigError naming both, unless this root is fresh (it has no id yet): it
+    then adopts the tier's id, because a new local root given a run's remote prefix is how a
+    run continues after its local disk was lost (the remote is the copy that survived).
+    (Two roots claiming one empty prefix at the same instant: the last write wins.)"""
+    try:
+        raw = backend.read(ROOT_ID_NAME)
+    except FileNotFoundError:
+        backend.put(ROOT_ID_NAME, [f"{ensure_root_id(local_root)}\n".encode()])
+        return
+    other = raw[:64].decode("ascii", "replace").strip()
+    if not _ID_RE.match(other):
+        raise ConfigError(
+            f"{backend.url}/{ROOT_ID_NAME} does not hold a root id (32 hex digits); it is "
+            "damaged: remove it if this remote prefix belongs to this run"
+        )
+    rid = ensure_root_id(local_root, new=other)
+    if rid != other:
+        raise ConfigError(
+            f"the remote tier {backend.url} belongs to another checkpoint root (root id "
+            f"{other}), not to {local_root} (root id {rid}); two runs must not share a tier. "
+            "Give this run its own remote= prefix, or delete that prefix if its run is over"
+        )

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -57,6 +58,14 @@ class Tier:
     keep: RetentionPolicy
     path: Path | None = None  # local tiers: the directory
     lock: WriterLock | None = field(default=None, repr=False)
+    # remote tiers whose root id could not be checked at start (unreachable): checked before
+    # the first promotion writes to them (a failure there is retried like the copy)
+    unclaimed: Callable[[], None] | None = field(default=None, repr=False)
+
+    def claim(self) -> None:
+        if self.unclaimed is not None:
+            self.unclaimed()
+            self.unclaimed = None
 
     @property
     def url(self) -> str:
@@ -118,9 +127,20 @@ def build_tiers(
             from flashckpt.store.remote import FsspecBackend
 
             backend = FsspecBackend(remote, options=remote_options)
-            tiers.append(
-                Tier(name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote))
+            tier = Tier(
+                name="remote", store=CheckpointStore(backend), keep=as_retention(keep_remote)
             )
+            tier.unclaimed = partial(tierid.claim_remote, backend, local_root=local_root)
+            try:  # the remote's root id; an outage must not stop training from starting
+                tier.claim()
+            except (OSError, StorageError) as exc:
+                log.warning(
+                    "cannot check the root id of %s yet (%s); checked before the first "
+                    "promotion to it",
+                    public_url(remote),
+                    exc,
+                )
+            tiers.append(tier)
         if check_shared is not None:
             check_shared({t.name: t.path for t in tiers if t.path is not None})
     except BaseException:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashckpt
-from flashckpt.engine.tiers import read_config
+from flashckpt.engine.tierconfig import read_config
 from flashckpt.integrations import interop
 from flashckpt.journal import iter_events, parse_line
 from flashckpt.report.summary import summarize

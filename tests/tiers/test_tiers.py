@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.engine import promote, tiercopy, tiers
+from flashckpt.engine import promote, tierconfig, tiercopy, tiers
 from flashckpt.engine.promote import Promotion
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.journal import read_events
@@ -89,7 +89,7 @@ def test_each_tier_keeps_its_own_retention(
     assert all(e["src"] == "memory" and e["seconds"] >= 0 and e["bytes"] > 0 for e in promoted)
     gc = _events(root, "gc")
     assert {e["tier"] for e in gc} >= {"memory", "local"}
-    cfg = tiers.read_config(root)
+    cfg = tierconfig.read_config(root)
     assert cfg == {"memory": str(shm_dir), "local": str(root), "remote": url}
 
 

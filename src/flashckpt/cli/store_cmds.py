@@ -77,7 +77,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from flashckpt.engine.tiers import list_tiers
+    from flashckpt.engine.tierconfig import list_tiers
 
     held = list_tiers(args.root, memory_tier=args.memory_tier, remote=args.remote)
     rows = [("step", "time", "tensors", "size", "new", "reused", "tiers")]

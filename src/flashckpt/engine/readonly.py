@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.engine.load import Attempt, load_step, restore_newest
-from flashckpt.engine.tiers import CONFIG_NAME, list_tiers
+from flashckpt.engine.tierconfig import CONFIG_NAME, list_tiers
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.store.store import CheckpointStore, step_name
 

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flashckpt.dist.attempt import SaveAttempt
 from flashckpt.dist.commit import DistSaveJob
@@ -32,6 +32,8 @@ from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
 from flashckpt.store.store import CheckpointStore
 
+
+T = TypeVar("T")
 
 class DistRuntime:
     def __init__(self, ctx: DistContext) -> None:
@@ -106,6 +108,18 @@ class DistRuntime:
         return verdict
 
     # -- saving -------------------------------------------------------------------------------
+    def run_save(self, step: int, save: Callable[[], T]) -> T:
+        """``save()`` of ``step`` under the agreement: :meth:`begin_save` first, and any error
+        of this rank (before or after its job exists) becomes the one every rank raises."""
+        self.begin_save(step)
+        try:
+            return save()
+        except Exception as exc:
+            agreed = self.failed(exc)
+            if agreed is exc:
+                raise
+            raise agreed from exc
+
     def begin_save(self, step: int) -> SaveAttempt:
         """The attempt of ``save(step)`` on this rank; call before anything that may raise."""
         self._attempt = SaveAttempt(self.ctx, step)

@@ -255,14 +255,8 @@ class Checkpointer:
             self._preempt.at_save(self, step, state)
         if self._dist is None:
             return self._save(step, state)
-        self._dist.begin_save(step)  # dist: a failure before the job exists reaches every rank
-        try:
-            return self._save(step, state)
-        except Exception as exc:
-            agreed = self._dist.failed(exc)
-            if agreed is exc:
-                raise
-            raise agreed from exc
+        # a failure before the job exists still reaches every rank (dist/runtime.py)
+        return self._dist.run_save(step, lambda: self._save(step, state))
 
     def _save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         t0 = time.perf_counter()
@@ -331,11 +325,8 @@ class Checkpointer:
             settle(handle.staged)
 
     def _skipped(self, step: int) -> SaveHandle:
-        handle = SaveHandle(step=step, stats=SaveStats(step=step), skipped=True)
         self.journal.append("save_skipped", step=step, reason="previous save still persisting")
-        handle.staged.set_result(handle.stats)
-        handle.durable.set_result(handle.stats)
-        return handle
+        return SaveHandle.done_skipped(step)
 
     def _finish(self, handle: SaveHandle, job: SaveJob) -> None:
         """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping.

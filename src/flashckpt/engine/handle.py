@@ -110,6 +110,14 @@ class SaveHandle:
     delivered: bool = False  # set when save()/wait() raised the error
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @classmethod
+    def done_skipped(cls, step: int) -> SaveHandle:
+        """The handle of a save skipped (``on_busy="skip"``): both futures already done."""
+        handle = cls(step=step, stats=SaveStats(step=step), skipped=True)
+        handle.staged.set_result(handle.stats)
+        handle.durable.set_result(handle.stats)
+        return handle
+
     @property
     def blocking_s(self) -> float:
         return self.stats.blocking_s

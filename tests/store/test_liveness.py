@@ -216,12 +216,12 @@ def test_restore_racing_retention_does_not_journal_corrupt(tmp_path, monkeypatch
 def test_ls_skips_a_step_deleted_between_listing_and_reading(tmp_path, monkeypatch, capsys):
     """`flashckpt ls` next to a training job printed DAMAGED for steps retention had deleted."""
     from flashckpt.cli import store_cmds
-    from flashckpt.engine import tiers
+    from flashckpt.engine import tierconfig
 
     _save(tmp_path, {2: 2.0})
     store = CheckpointStore(LocalBackend(tmp_path))
     listed = {1: [("local", store)], 2: [("local", store)]}  # step 1 went after the listing
-    monkeypatch.setattr(tiers, "list_tiers", lambda *a, **k: listed)
+    monkeypatch.setattr(tierconfig, "list_tiers", lambda *a, **k: listed)
     args = SimpleNamespace(root=str(tmp_path), memory_tier=None, remote=None)
     assert store_cmds.cmd_ls(args) == 0
     out = capsys.readouterr().out

@@ -247,10 +247,19 @@ class Checkpointer:
         (``save_policy=``) says this step should be saved. Measures step time as it goes."""
         return decide(self, step, self._meter, self._marker, self._dist, self._preempt)
 
+    def step(self, step: int) -> None:
+        """Record that training reached ``step``: a small write to the run marker (page cache,
+        no fsync) and the step-time meter. Call it every step when the loop does not call
+        ``should_save`` every step, so the steps a crash loses are measured."""
+        check_step(step)
+        self._marker.tick(step)
+        self._meter.tick(step, time.time())
+
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""
         self._check_open()
         check_step(step)
+        self._marker.tick(step)  # the furthest step reached, also without should_save/step
         if self._preempt is not None:
             self._preempt.at_save(self, step, state)
         if self._dist is None:

@@ -6,7 +6,9 @@ the target, and any mismatch (missing or unexpected keys, shapes) is reported to
 own storage where dtype and shape allow (no second copy of the checkpoint in memory), and each
 Stateful object gets ``load_state_dict`` with a tree made of those tensors. Keys are matched
 without torch.compile's ``_orig_mod.`` and handed back under the target's own names
-(state/compiled.py), so compiled and plain models restore each other's checkpoints.
+(state/compiled.py), so compiled and plain models restore each other's checkpoints. An
+optimizer's state saved keyed by parameter name (DCP's form) loads into a plain optimizer
+(state/optim_names.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flashckpt.errors import ManifestError, StateMismatchError
 from flashckpt.state.capture import check_state, is_stateful
 from flashckpt.state.compiled import canonical, canonical_key, prefix_hint, rekey_like
 from flashckpt.state.dtensor import is_dtensor, local_shard
+from flashckpt.state.optim_names import by_id
 from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
 from flashckpt.store.dtypes import torch_dtype
 from flashckpt.store.manifest import Manifest, TensorEntry
@@ -74,6 +77,8 @@ class RestorePlan:
             if self.trees.get(name) is None:
                 continue
             decoded = decode_tree(self.trees[name], lookup)
+            if isinstance(value, torch.optim.Optimizer):  # FQN-keyed (DCP) state: by id
+                decoded = by_id(decoded, value, self.state, entry=name)
             raw = self.raws.get(name, value)
             skipped_here = self.skipped.get(name, set())
             _deliver(self.state, name, value, raw, decoded, skipped_here, self.strict)
@@ -108,6 +113,8 @@ def plan_restore(
 
 
 def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) -> list[str]:
+    if isinstance(value, torch.optim.Optimizer):  # names that match no parameter: raise now
+        by_id(plan.trees[name], value, plan.state, entry=name)
     plan.raws[name] = target_raw = value.state_dict() if is_stateful(value) else value
     _, leaves = encode_tree(canonical(target_raw, name), name)
     live = {leaf.key: leaf.value for leaf in leaves}  # canonical key paths

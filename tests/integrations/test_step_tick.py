@@ -54,6 +54,15 @@ def test_steps_lost_counted_with_step_ticks_and_no_should_save(tmp_path: Path) -
     assert summarize(load_events(tmp_path)).steps_lost == 2
 
 
+def test_step_ticks_journal_the_step_time(tmp_path: Path) -> None:
+    """Without should_save, step() still feeds the report's mean step time (lost seconds)."""
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        for step in range(1, 52):
+            ck.step(step)
+    times = [e for e in read_events(tmp_path) if e["event"] == "step_time"]
+    assert len(times) == 1 and times[0]["step"] == 50 and times[0]["seconds"] >= 0
+
+
 def test_save_ticks_the_run_marker(tmp_path: Path) -> None:
     ck = flashckpt.Checkpointer(tmp_path)
     try:

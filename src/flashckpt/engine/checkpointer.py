@@ -259,7 +259,9 @@ class Checkpointer:
         ``should_save`` every step, so the steps a crash loses are measured."""
         check_step(step)
         self._marker.tick(step)
-        self._meter.tick(step, time.time())
+        step_time = self._meter.tick(step, time.time())
+        if step_time is not None and self._meter.journal_due():  # for the report's lost time
+            self.journal.append("step_time", step=step, seconds=step_time)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""

@@ -91,6 +91,19 @@ def test_hf_callback_ticks_every_step(tmp_path: Path) -> None:
     assert seen == [1, 2, 3]
 
 
+def test_lightning_step_callback_ticks_the_store(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from flashckpt.integrations.lightning import FlashCkptIO
+
+    io = FlashCkptIO(tmp_path / "store", async_save=False)
+    try:
+        io.step_callback().on_train_batch_end(SimpleNamespace(global_step=3), None, None, None, 0)
+        assert _marker_step(tmp_path / "store") == 3
+    finally:
+        io.teardown()
+
+
+@pytest.mark.slow
 def test_lightning_step_callback_ticks_every_batch(tmp_path: Path) -> None:
     L = pytest.importorskip("lightning")
     from flashckpt.integrations.lightning import FlashCkptIO

@@ -63,8 +63,8 @@ def _saved_keys(root: Path) -> list[str]:
     [
         ({"compile_whole": True}, {}),
         ({}, {"compile_whole": True}),
-        ({"compile_block": True}, {"compile_whole": True}),
-        ({"compile_whole": True, "compile_block": True}, {}),
+        pytest.param({"compile_block": True}, {"compile_whole": True}, marks=pytest.mark.slow),
+        pytest.param({"compile_whole": True, "compile_block": True}, {}, marks=pytest.mark.slow),
     ],
     ids=["compiled-to-plain", "plain-to-compiled", "block-to-whole", "both-to-plain"],
 )
@@ -135,7 +135,7 @@ def _as_older_versions_wrote_it(root: Path) -> None:
     manifest.write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("compiled_target", [False, True])
+@pytest.mark.parametrize("compiled_target", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_old_checkpoint_with_orig_mod_keys_still_restores(
     tmp_path: Path, compiled_target: bool
 ) -> None:

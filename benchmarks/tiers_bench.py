@@ -75,7 +75,7 @@ def _restore_s(root: Path, *, repeat: int, evict: Path | None = None, **tiers: A
         if evict is not None:
             _evict(evict)
         target = {k: torch.empty(1 << 20) for k in _state_keys}
-        with flashckpt.Checkpointer(root, **tiers) as ck:
+        with flashckpt.Checkpointer(root, keep_memory_after_close=True, **tiers) as ck:
             t0 = time.perf_counter()
             step = ck.restore({"s": target})
             times.append(time.perf_counter() - t0)
@@ -94,7 +94,9 @@ def run(size: int, repeat: int, base: Path, shm: Path) -> dict[str, Any]:
         _state_keys[:] = list(state)
         nbytes = sum(t.numel() * 4 for t in state.values())
         root, url = base / "ck", f"s3://flashckpt-bench/{uuid.uuid4().hex[:8]}"
-        with flashckpt.Checkpointer(root, memory_tier=shm, remote=url) as ck:
+        with flashckpt.Checkpointer(
+            root, memory_tier=shm, remote=url, keep_memory_after_close=True
+        ) as ck:
             ck.save(1, {"s": state})
             if not ck.wait_promoted():
                 raise SystemExit("promotion did not finish")

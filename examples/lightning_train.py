@@ -46,10 +46,12 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32
     )
+    io = FlashCkptIO(Path(args.dir) / "flashckpt", async_save=True)
     trainer = L.Trainer(
         default_root_dir=args.dir,
         max_epochs=args.epochs,
-        plugins=[FlashCkptIO(Path(args.dir) / "flashckpt", async_save=True)],
+        plugins=[io],
+        callbacks=[io.step_callback()],  # ticks every step: a crash's lost steps are counted
         accelerator="cpu",
         logger=False,
     )

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import flashckpt
 from flashckpt.cli import main
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, StateMismatchError
 from flashckpt.integrations import dcp_layout
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
@@ -99,12 +99,21 @@ def test_import_of_dcp_save_restores_model_and_optimizer(tmp_path: Path, world: 
     src = tmp_path / "torch-dcp"
     want = run_worker("save", src, tmp_path / "want.pt", world)
     root = tmp_path / "root"
-    state = dcp_layout.import_dcp(src, root, step=5)
-    assert sorted(state) == ["model", "optim"]
+    assert main(["import", str(src), str(root), "--step", "5", "--format", "dcp"]) == 0
     model, opt = build()
-    with flashckpt.Checkpointer(root) as ck:
-        assert ck.restore({"model": model, "optim": dcp_layout.OptimizerByName(model, opt)}) == 5
+    with flashckpt.Checkpointer(root) as ck:  # a plain optimizer: named through the model
+        assert ck.restore({"model": model, "optim": opt}) == 5
     assert_same(flat(model, opt), want)
+    state = dcp_layout.import_dcp(src, tmp_path / "root2", step=5)
+    assert sorted(state) == ["model", "optim"]
+    by_name_model, by_name_opt = build()
+    with flashckpt.Checkpointer(tmp_path / "root2") as ck:
+        target = {
+            "model": by_name_model,
+            "optim": dcp_layout.OptimizerByName(by_name_model, by_name_opt),
+        }
+        assert ck.restore(target) == 5
+    assert_same(flat(by_name_model, by_name_opt), want)
     # the restored optimizer trains on exactly as the original would
     ref_model, ref_opt = build()
     train_step(ref_model, ref_opt)
@@ -174,3 +183,23 @@ def test_prefix_model_keeps_the_model_only_form(tmp_path: Path) -> None:
         {f"model.{k}": v for k, v in sd.items()},
         {k: v for k, v in want.items() if k.startswith("model.")},
     )
+
+
+def test_name_keyed_optimizer_state_restores_into_a_plain_optimizer(tmp_path: Path) -> None:
+    """State saved as OptimizerByName (FQN-keyed, with its param_groups) restores into a plain
+    optimizer, hyperparameters included; a parameter the checkpoint does not know is refused
+    before anything is read."""
+    model, opt = build()
+    train_step(model, opt)
+    opt.param_groups[0]["lr"] = 0.005
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": dcp_layout.OptimizerByName(model, opt)})
+    model2, opt2 = build()
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": model2, "optim": opt2}) == 1
+    assert_same(flat(model2, opt2), flat(model, opt))
+    assert opt2.param_groups[0]["lr"] == 0.005
+
+    other = torch.nn.Linear(6, 5)  # an optimizer over a module that is not in the state
+    with flashckpt.Checkpointer(tmp_path) as ck, pytest.raises(StateMismatchError, match="model"):
+        ck.restore({"model": model2, "optim": torch.optim.AdamW(other.parameters())})

@@ -69,6 +69,7 @@ def test_each_tier_keeps_its_own_retention(
         root,
         memory_tier=shm_dir,
         keep_memory=KeepLast(2),
+        keep_memory_after_close=True,  # the memory tier's own retention is what is checked
         keep=KeepLast(3),
         remote=url,
         keep_remote=KeepEvery(2),
@@ -155,10 +156,11 @@ def test_restore_prefers_fastest_and_falls_back_on_a_damaged_copy(
 ) -> None:
     root = tmp_path / "ck"
     m = _model()
-    with flashckpt.Checkpointer(root, memory_tier=shm_dir, promotion=FAST) as ck:
+    keep = {"keep_memory_after_close": True}  # the memory copy is what each restore reads
+    with flashckpt.Checkpointer(root, memory_tier=shm_dir, promotion=FAST, **keep) as ck:
         _bump(m)
         ck.save(1, {"m": m})
-    with flashckpt.Checkpointer(root, memory_tier=shm_dir) as ck:
+    with flashckpt.Checkpointer(root, memory_tier=shm_dir, **keep) as ck:
         fresh = _model(seed=1)
         assert ck.restore({"m": fresh}) == 1 and _same(fresh, m)
     assert _events(root, "restore")[-1]["tier"] == "memory"
@@ -168,7 +170,7 @@ def test_restore_prefers_fastest_and_falls_back_on_a_damaged_copy(
     raw = bytearray(big.read_bytes())
     raw[1000] ^= 0xFF
     big.write_bytes(bytes(raw))
-    with flashckpt.Checkpointer(root, memory_tier=shm_dir) as ck:
+    with flashckpt.Checkpointer(root, memory_tier=shm_dir, **keep) as ck:
         fresh = _model(seed=2)
         with pytest.warns(RuntimeWarning, match="memory copy failed"):
             assert ck.restore({"m": fresh}) == 1
@@ -236,7 +238,9 @@ def test_pins_keep_chunks_alive_until_promoted(
     root = tmp_path / "ck"
     m = _model()
     states = []
-    with flashckpt.Checkpointer(root, memory_tier=shm_dir, keep_memory=1, promotion=FAST) as ck:
+    with flashckpt.Checkpointer(
+        root, memory_tier=shm_dir, keep_memory=1, keep_memory_after_close=True, promotion=FAST
+    ) as ck:
         for step in range(1, 5):
             _bump(m)
             ck.save(step, {"m": m})
@@ -311,6 +315,7 @@ def test_ls_shows_the_tiers_of_each_step(
         root,
         memory_tier=shm_dir,
         keep_memory=1,
+        keep_memory_after_close=True,
         remote=url,
         keep_remote=KeepEvery(2),
         promotion=FAST,

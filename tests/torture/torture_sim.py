@@ -151,6 +151,7 @@ class Sim(Checks):
             direct_io=False,
             memory_tier=self.mem,
             keep_memory=self.cfg.keep_memory if self.mem is not None else None,
+            keep_memory_after_close=True,  # the oracle expects each tier's retention only
             promotion=Promotion(retries=2, workers=2, backoff_s=0.0, max_backoff_s=0.0),
         )
 

@@ -14,6 +14,7 @@ from typing import Any
 from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine import exit as exits
 from flashckpt.engine.cadence import decide
+from flashckpt.engine.closing import empty_memory_tier
 from flashckpt.engine.context import build_context
 from flashckpt.engine.fingerprint import Fingerprinter
 from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error, failure, settle
@@ -76,6 +77,7 @@ class Checkpointer:
         save_policy: SavePolicy | int | None = None,
         memory_tier: str | os.PathLike[str] | None = None,
         keep_memory: RetentionPolicy | int | None = None,
+        keep_memory_after_close: bool = False,
         remote: str | None = None,
         remote_options: Mapping[str, Any] | None = None,
         keep_remote: RetentionPolicy | int | None = None,
@@ -101,6 +103,7 @@ class Checkpointer:
         )
         self.keep = as_retention(keep)
         self.save_policy = as_save_policy(save_policy)
+        self._empty_memory = not keep_memory_after_close  # see engine/closing.py
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
@@ -201,7 +204,10 @@ class Checkpointer:
             self._stop_threads()
             p = self._preempt
             preempted = p is not None and p.signal_t is not None
-            self._tiers.close(p.time_left() if p and preempted else self._promotion.close_timeout_s)
+            timeout_s = p.time_left() if p and preempted else self._promotion.close_timeout_s
+            if self._empty_memory and not preempted and self._dist is None:
+                timeout_s = empty_memory_tier(self._tiers, self.journal, timeout_s)
+            self._tiers.close(timeout_s)
             if self._preempt is not None:
                 self._preempt.uninstall()
             self._marker.end(self.last_step)
@@ -247,10 +253,21 @@ class Checkpointer:
         (``save_policy=``) says this step should be saved. Measures step time as it goes."""
         return decide(self, step, self._meter, self._marker, self._dist, self._preempt)
 
+    def step(self, step: int) -> None:
+        """Record that training reached ``step``: a small write to the run marker (page cache,
+        no fsync) and the step-time meter. Call it every step when the loop does not call
+        ``should_save`` every step, so the steps a crash loses are measured."""
+        check_step(step)
+        self._marker.tick(step)
+        step_time = self._meter.tick(step, time.time())
+        if step_time is not None and self._meter.journal_due():  # for the report's lost time
+            self.journal.append("step_time", step=step, seconds=step_time)
+
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; see the class docstring for when it returns."""
         self._check_open()
         check_step(step)
+        self._marker.tick(step)  # the furthest step reached, also without should_save/step
         if self._preempt is not None:
             self._preempt.at_save(self, step, state)
         if self._dist is None:

@@ -30,12 +30,13 @@ to names by, in order of preference:
    in another order, as nanoGPT builds them, parameters without state) raises ConfigError
    rather than guess.
 
-**Import** (:func:`import_dcp`) reads a DCP checkpoint in that layout (``interop.load_dcp``
-reads the tensors) and saves a flashckpt step with one entry per top-level DCP name: the model
-entry ``{fqn: tensor}`` restores into the model; the optimizer entry is FQN-keyed and restores
-through :class:`OptimizerByName`::
+**Import** (:func:`import_dcp`, and ``flashckpt import`` when :func:`is_nested`) reads a DCP
+checkpoint in that layout (``interop.load_dcp`` reads the tensors) and saves a flashckpt step
+with one entry per top-level DCP name: the model entry ``{fqn: tensor}`` restores into the
+model; the optimizer entry is FQN-keyed and restores into the plain optimizer, named through
+the model restored with it (state/optim_names.py), or through :class:`OptimizerByName`::
 
-    ckpt.restore({"model": model, "optim": OptimizerByName(model, opt)})
+    ckpt.restore({"model": model, "optim": opt})   # or "optim": OptimizerByName(model, opt)
 
 DCP stores ``param_groups`` (learning rates, betas) as pickled bytes; flashckpt never unpickles
 them, so after an import the hyperparameters are those of the live optimizer (and scheduler).
@@ -270,6 +271,21 @@ def nest_dcp(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         else:
             out[name] = sub
     return out
+
+
+def is_nested(flat: Mapping[str, Any]) -> bool:
+    """True when ``flat`` (DCP's flattened names) holds an entry whose keys are all
+    ``state.<fqn>.<name>``: the FQN-keyed optimizer of ``{"model": ..., "optim": ...}``. A
+    model-only checkpoint (``dcp.save(model.state_dict())``) has no such entry."""
+    heads: dict[str, list[str]] = {}
+    for key in flat:
+        head, dot, rest = key.partition(".")
+        if not dot or not rest:
+            return False
+        heads.setdefault(head, []).append(rest)
+    return any(
+        all(k.startswith("state.") and k.count(".") >= 2 for k in keys) for keys in heads.values()
+    )
 
 
 def import_dcp(

@@ -115,6 +115,7 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- Trainer events -------------------------------------------------------------------
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.checkpointer().step(int(state.global_step))  # steps lost to a crash are counted
         self._maybe_save(state, control, kwargs)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

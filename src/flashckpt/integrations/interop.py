@@ -312,7 +312,10 @@ def import_checkpoint(
 
     fmt = format or detect_format(src)
     if fmt == "dcp":
-        state = as_state(load_dcp(src), name=name)
+        from flashckpt.integrations.dcp_layout import is_nested, nest_dcp
+
+        flat = load_dcp(src)  # {"model": ..., "optim": ...} as dcp.save flattened it, or flat
+        state = nest_dcp(flat) if is_nested(flat) else as_state(flat, name=name)
     elif fmt == "safetensors":
         state = as_state(load_safetensors(src), name=name)
     elif fmt == "torch":

@@ -4,8 +4,12 @@
 
     from flashckpt.integrations.lightning import FlashCkptIO, latest_checkpoint
 
-    trainer = L.Trainer(plugins=[FlashCkptIO("runs/lit/ckpt", async_save=True)], ...)
+    io = FlashCkptIO("runs/lit/ckpt", async_save=True)
+    trainer = L.Trainer(plugins=[io], callbacks=[io.step_callback()], ...)
     trainer.fit(module, ckpt_path=latest_checkpoint("runs/lit/checkpoints"))  # None: fresh
+
+``step_callback()`` ticks the run marker after every training batch (``Checkpointer.step``), so
+the steps a crash loses are counted, not only those up to the last save.
 
 Lightning keeps deciding when to save and which paths to keep (``ModelCheckpoint``: top-k,
 ``last.ckpt``); each ``.ckpt`` path it asks for becomes a small JSON *pointer file*
@@ -125,6 +129,27 @@ class FlashCkptIO(CheckpointIO):  # type: ignore[misc]
         if step in ckpt.steps():
             ckpt.store.delete_step(step)
             collect_garbage(ckpt.store)
+
+    def step_callback(self) -> Any:
+        """A Lightning ``Callback`` calling ``Checkpointer.step(global_step)`` after every
+        training batch (opens the store at ``root`` when given; without a ``root`` it ticks the
+        stores opened by a save so far)."""
+        from lightning.pytorch.callbacks import Callback
+
+        io = self
+
+        class FlashCkptSteps(Callback):  # type: ignore[misc]
+            def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+                io.tick(int(trainer.global_step))
+
+        return FlashCkptSteps()
+
+    def tick(self, step: int) -> None:
+        """``Checkpointer.step(step)`` on every store this plugin uses."""
+        if self.root is not None:
+            self._checkpointer(self.root)
+        for ckpt in self._open.values():
+            ckpt.step(step)
 
     def teardown(self) -> None:
         """Wait until every save is durable and release the stores."""

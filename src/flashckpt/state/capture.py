@@ -4,6 +4,7 @@
 optimizers, schedulers, GradScaler, samplers, :class:`~flashckpt.RNG`, any Stateful), tensors,
 NumPy arrays, or JSON-able values. Capture calls ``state_dict()`` once per object and records
 references, not copies; the engine decides what to copy right away and what to stage later.
+Keys are saved without torch.compile's ``_orig_mod.`` segment (state/compiled.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from flashckpt.errors import ConfigError, UnsupportedStateError
+from flashckpt.state.compiled import canonical
 from flashckpt.state.dtensor import local_shard
 from flashckpt.state.tree import Leaf, encode_tree
 from flashckpt.store.dtypes import little_endian_array, numpy_dtype_name, torch_dtype_name
@@ -79,7 +81,7 @@ def capture(state: Mapping[str, Any]) -> Captured:
     out = Captured()
     for name, value in check_state(state).items():
         raw = value.state_dict() if is_stateful(value) else value
-        tree, leaves = encode_tree(raw, name)
+        tree, leaves = encode_tree(canonical(raw, name), name)  # no torch.compile '_orig_mod.'
         out.tree[name] = tree
         out.items.extend(_item(leaf) for leaf in leaves)
     return out

@@ -4,7 +4,11 @@ Planning happens before any byte is read: every top-level entry and tensor is ma
 the target, and any mismatch (missing or unexpected keys, shapes) is reported together in one
 :class:`~flashckpt.errors.StateMismatchError`. Tensors are then read straight into the target's
 own storage where dtype and shape allow (no second copy of the checkpoint in memory), and each
-Stateful object gets ``load_state_dict`` with a tree made of those tensors.
+Stateful object gets ``load_state_dict`` with a tree made of those tensors. Keys are matched
+without torch.compile's ``_orig_mod.`` and handed back under the target's own names
+(state/compiled.py), so compiled and plain models restore each other's checkpoints. An
+optimizer's state saved keyed by parameter name (DCP's form) loads into a plain optimizer
+(state/optim_names.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 
 from flashckpt.errors import ManifestError, StateMismatchError
 from flashckpt.state.capture import check_state, is_stateful
+from flashckpt.state.compiled import canonical, canonical_key, prefix_hint, rekey_like
 from flashckpt.state.dtensor import is_dtensor, local_shard
+from flashckpt.state.optim_names import by_id
 from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
 from flashckpt.store.dtypes import torch_dtype
 from flashckpt.store.manifest import Manifest, TensorEntry
@@ -46,7 +52,9 @@ class RestorePlan:
     state: Mapping[str, Any]
     trees: dict[str, Any]
     targets: dict[str, Target] = field(default_factory=dict)
-    skipped: dict[str, set[str]] = field(default_factory=dict)
+    skipped: dict[str, set[str]] = field(default_factory=dict)  # canonical key paths
+    raws: dict[str, Any] = field(default_factory=dict)  # each target's own state_dict()
+    hints: list[str] = field(default_factory=list)
     strict: bool = True
 
     @property
@@ -59,7 +67,7 @@ class RestorePlan:
         skipped = set().union(*self.skipped.values()) if self.skipped else set()
 
         def lookup(kind: str, key: str) -> Any:
-            if key in skipped and key not in loaded:
+            if canonical_key(key) in skipped and key not in loaded:
                 return None  # strict=False: not read, filtered out by _deliver
             if key not in loaded:
                 raise ManifestError(f"state tree references unknown tensor {key!r}")
@@ -69,7 +77,11 @@ class RestorePlan:
             if self.trees.get(name) is None:
                 continue
             decoded = decode_tree(self.trees[name], lookup)
-            _deliver(self.state, name, value, decoded, self.skipped.get(name, set()), self.strict)
+            if isinstance(value, torch.optim.Optimizer):  # FQN-keyed (DCP) state: by id
+                decoded = by_id(decoded, value, self.state, entry=name)
+            raw = self.raws.get(name, value)
+            skipped_here = self.skipped.get(name, set())
+            _deliver(self.state, name, value, raw, decoded, skipped_here, self.strict)
 
 
 def plan_restore(
@@ -77,6 +89,7 @@ def plan_restore(
 ) -> RestorePlan:
     trees = dict(manifest.tree)
     trees.update(manifest.rank_trees.get(str(rank), {}))
+    trees = {name: canonical(tree, name) for name, tree in trees.items()}  # older checkpoints
     plan = RestorePlan(state=check_state(state), trees=trees, strict=strict)
     problems: list[str] = []
     for name, value in plan.state.items():
@@ -87,9 +100,10 @@ def plan_restore(
     if problems and strict:
         shown = problems[:_MAX_LISTED]
         more = f" and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        hints = "".join(f" Hint: {h}." for h in plan.hints)
         raise StateMismatchError(
-            f"checkpoint step {manifest.step} does not match the state: {'; '.join(shown)}{more}. "
-            "Pass strict=False to load what matches.",
+            f"checkpoint step {manifest.step} does not match the state: {'; '.join(shown)}{more}."
+            f"{hints} Pass strict=False to load what matches.",
             keys=[p.split(" ", 1)[0] for p in problems],
         )
     for name in [n for n in plan.state if n not in trees]:
@@ -99,32 +113,37 @@ def plan_restore(
 
 
 def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) -> list[str]:
-    target_raw = value.state_dict() if is_stateful(value) else value
-    _, leaves = encode_tree(target_raw, name)
-    live = {leaf.key: leaf.value for leaf in leaves}
-    saved = tensor_refs(plan.trees[name])
+    if isinstance(value, torch.optim.Optimizer):  # names that match no parameter: raise now
+        by_id(plan.trees[name], value, plan.state, entry=name)
+    plan.raws[name] = target_raw = value.state_dict() if is_stateful(value) else value
+    _, leaves = encode_tree(canonical(target_raw, name), name)
+    live = {leaf.key: leaf.value for leaf in leaves}  # canonical key paths
+    saved = tensor_refs(plan.trees[name])  # stored paths (older versions kept "_orig_mod.")
+    stored = {canonical_key(k): k for _, k in saved}
     problems: list[str] = []
     skipped: set[str] = set()
     for kind, key in saved:
         entry = manifest.tensors.get(key)
         if entry is None or entry.kind != kind:
             raise ManifestError(f"step {manifest.step}: state tree names missing tensor {key!r}")
-        target = live.get(key)
+        target = live.get(canonical_key(key))
         problem = _shape_problem(key, entry, target)
         if problem:
             problems.append(problem)
-            skipped.add(key)
+            skipped.add(canonical_key(key))
             target = None
         plan.targets[key] = _target(entry, target)
     if isinstance(value, torch.nn.Module):
-        saved_keys = {k for _, k in saved}
-        missing = sorted(set(live) - saved_keys)
-        unexpected = sorted(saved_keys - set(live))
+        missing = sorted(set(live) - set(stored))
+        unexpected = sorted(set(stored) - set(live))
         problems += [f"{k} (missing from the checkpoint)" for k in missing]
         problems += [f"{k} (in the checkpoint, not in the model)" for k in unexpected]
         skipped |= set(missing) | set(unexpected)
         for key in unexpected:  # never read bytes nobody will receive
-            plan.targets.pop(key, None)
+            plan.targets.pop(stored[key], None)
+        hint = prefix_hint(missing, unexpected)
+        if hint is not None:
+            plan.hints.append(hint)
     plan.skipped[name] = skipped
     return problems
 
@@ -156,13 +175,19 @@ def _target(entry: TensorEntry, live: Any) -> Target:
 
 
 def _deliver(
-    state: Mapping[str, Any], name: str, value: Any, decoded: Any, skipped: set[str], strict: bool
+    state: Mapping[str, Any],
+    name: str,
+    value: Any,
+    raw: Any,
+    decoded: Any,
+    skipped: set[str],
+    strict: bool,
 ) -> None:
+    if isinstance(value, torch.nn.Module) and skipped:
+        decoded = {k: v for k, v in decoded.items() if f"{name}/{k}" not in skipped}
+    decoded = rekey_like(decoded, raw)  # the target's own names ('_orig_mod.' when compiled)
     if is_stateful(value):
         if isinstance(value, torch.nn.Module):
-            if skipped:
-                prefix = f"{name}/"
-                decoded = {k: v for k, v in decoded.items() if f"{prefix}{k}" not in skipped}
             value.load_state_dict(decoded, strict=strict and not skipped)
         elif skipped:
             log.warning("restore: %r skipped (mismatched tensors, strict=False)", name)

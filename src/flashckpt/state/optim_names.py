@@ -1,0 +1,98 @@
+"""Optimizer state keyed by parameter name, restored into a plain ``torch.optim`` optimizer.
+
+``torch.optim`` keys its state by integer ids (each parameter's position across
+``param_groups``); DCP and ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+key it by the parameter's FQN (``{"state": {"lin.weight": {...}}, "param_groups": [{"params":
+["lin.weight", ...], "lr": ...}]}``), and so does a DCP checkpoint imported with ``flashckpt
+import`` (its ``param_groups`` are DCP's pickled bytes, never read: the import has none).
+
+:func:`by_id` turns such a tree into the id-keyed form ``optimizer.load_state_dict`` expects,
+naming the optimizer's parameters through the modules restored with it
+(``restore({"model": model, "optim": optimizer})``). Saved ``param_groups`` must group the same
+parameters as the live ones; their hyperparameters are restored. Without saved groups the live
+optimizer keeps its own (learning rate, betas, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from flashckpt.errors import StateMismatchError
+from flashckpt.state.compiled import canonical_key
+
+
+def is_by_name(tree: Any) -> bool:
+    """True for an optimizer state whose state and param_groups name parameters by FQN."""
+    if not (isinstance(tree, Mapping) and isinstance(tree.get("state"), Mapping)):
+        return False
+    groups = tree.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        return False
+    params = [p for g in groups for p in g.get("params", [])]
+    named = all(isinstance(k, str) for k in tree["state"]) and all(
+        isinstance(p, str) for p in params
+    )
+    return named and (bool(tree["state"]) or bool(params) or not groups)
+
+
+def param_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(parameter) -> FQN`` over the modules of ``state`` (canonical names, first wins)."""
+    names: dict[int, str] = {}
+    for value in state.values():
+        if isinstance(value, torch.nn.Module):
+            for name, p in value.named_parameters():
+                names.setdefault(id(p), canonical_key(name))
+    return names
+
+
+def by_id(
+    saved: Any, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, entry: str
+) -> Any:
+    """``saved`` in ``optimizer``'s id-keyed form when it is keyed by name, else unchanged."""
+    if not is_by_name(saved):
+        return saved
+    names = param_names(state)
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    fqns = [names.get(id(p)) for p in order]
+    if None in fqns:
+        raise StateMismatchError(
+            f"checkpoint entry {entry!r} names optimizer parameters by FQN, and parameter "
+            f"{fqns.index(None)} of the optimizer is in no module of the state: restore the "
+            f"model with it, e.g. restore({{'model': model, {entry!r}: optimizer}})",
+            keys=[entry],
+        )
+    index = {f: i for i, f in enumerate(fqns) if f is not None}
+    unknown = sorted(set(saved["state"]) - set(index))
+    if unknown:
+        raise StateMismatchError(
+            f"checkpoint entry {entry!r} holds optimizer state for {unknown[:5]}, which are not "
+            "parameters of this optimizer (a different model?)",
+            keys=[f"{entry}/state/{k}" for k in unknown],
+        )
+    live = optimizer.state_dict()["param_groups"]
+    return {
+        "state": {index[f]: v for f, v in saved["state"].items()},
+        "param_groups": _groups(saved["param_groups"], live, index, entry),
+    }
+
+
+def _groups(
+    saved: list[Any], live: list[dict[str, Any]], index: dict[str, int], entry: str
+) -> list[dict[str, Any]]:
+    if not saved:
+        return live
+    same = len(saved) == len(live) and all(
+        sorted(index.get(p, -1) for p in s.get("params", [])) == sorted(g["params"])
+        for s, g in zip(saved, live)
+    )
+    if not same:
+        raise StateMismatchError(
+            f"checkpoint entry {entry!r}: its {len(saved)} param groups do not hold the same "
+            f"parameters as the optimizer's {len(live)}; build the optimizer's param groups as "
+            "when it was saved",
+            keys=[f"{entry}/param_groups"],
+        )
+    return [{**s, "params": g["params"]} for s, g in zip(saved, live)]

@@ -7,22 +7,26 @@ The state looks like an LLM trained with AdamW: a GPT's parameters (embedding, p
 proj / mlp / norms) with ``exp_avg``, ``exp_avg_sq`` and a ``step`` per parameter, random fp32
 values (incompressible), as a flat ``{name: tensor}`` dict that every method restores in place.
 
-It measures, in this order and in the same process:
+It runs ``--repeats`` rounds; each round measures, back to back in the same process:
 
-- **memcpy**: ``torch.Tensor.copy_`` between two large buffers, on 1 thread and on all threads;
-- **raw read**: a file of the state's size on ``--dir`` read sequentially in 16 MiB pieces after
-  dropping the page cache, buffered (like ``dd bs=16M``) and with ``O_DIRECT``;
-- **flashckpt**: restore of a checkpoint saved with ``memory_tier=--shm`` (read from the memory
-  tier), then of the same checkpoint from the local disk with the page cache dropped (cold) and
-  right after (warm);
-- **peers** (unless ``--no-peers``): ``torch.load``, ``torch.load(mmap=True)`` and ``dcp.load`` of
-  the same tensors from the memory tier's filesystem and from the disk (cold), each copying into
-  the same live tensors (``load_state_dict`` semantics: the state ends up filled in place).
+- **memcpy**: ``torch.Tensor.copy_`` between two large buffers on 1 thread and on all threads,
+  and numpy's copy (glibc ``memcpy``, 1 thread);
+- **flashckpt from the memory tier**: restore of a checkpoint saved with ``memory_tier=--shm``;
+- **raw read**: a file of the state's size on ``--dir`` read sequentially in 16 MiB pieces with
+  the page cache dropped, buffered (like ``dd bs=16M``) and with ``O_DIRECT``;
+- **flashckpt from the disk**: the same checkpoint's local copy, page cache dropped (cold), then
+  again (warm).
+
+Ratios (restore / memcpy, disk restore / best raw read) are taken inside each round, because
+the machine's load moves between rounds; the median over rounds is reported, with each
+round's value. Then, unless ``--no-peers``: ``torch.load``, ``torch.load(mmap=True)`` and
+``dcp.load`` of the same tensors from the memory tier's filesystem and from the disk (cold),
+each ending with the same live tensors filled (``copy_`` from what was loaded; DCP loads in
+place), best of ``--repeats``.
 
 The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root) and, when
-that is refused, by ``posix_fadvise(DONTNEED)`` on every file of ``--dir``. Each figure is the
-best of ``--repeats``; ratios are taken inside this run (the machine may be shared: the load
-average at the start and end is printed and written to the JSON).
+that is refused, by ``posix_fadvise(DONTNEED)`` on every file of ``--dir``. The load average
+at the start and end is printed and written to the JSON (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import mmap
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import flashckpt
@@ -124,22 +130,23 @@ def best(fn: Callable[[], None], repeats: int, before: Callable[[], object] | No
     return min(times)
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> dict[str, float]:
-    n = min(nbytes, 1 << 30)
-    src = torch.empty(n, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(n, dtype=torch.uint8).fill_(2)
+def memcpy_gbps(src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
+    """One measurement of each memcpy: ``Tensor.copy_`` on 1 thread and on all threads, and
+    numpy's copy (glibc memcpy, 1 thread)."""
+    n = src.numel()
     threads = torch.get_num_threads()
     out = {}
     try:
         for label, k in (("memcpy_1_thread", 1), ("memcpy_all_threads", os.cpu_count() or 1)):
             torch.set_num_threads(k)
-            out[label] = n / best(lambda: dst.copy_(src), repeats) / 1e9
+            out[label] = n / best(lambda: dst.copy_(src), 1) / 1e9
     finally:
         torch.set_num_threads(threads)
+    out["memcpy_numpy_1_thread"] = n / best(lambda: np.copyto(dst.numpy(), src.numpy()), 1) / 1e9
     return out
 
 
-def raw_read_gbps(d: Path, nbytes: int, repeats: int) -> dict[str, float]:
+def raw_file(d: Path, nbytes: int) -> Path:
     path = d / "raw-read.bin"
     block = os.urandom(PIECE)
     with open(path, "wb") as f:
@@ -147,6 +154,11 @@ def raw_read_gbps(d: Path, nbytes: int, repeats: int) -> dict[str, float]:
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
+    return path
+
+
+def raw_read_gbps(path: Path, d: Path) -> dict[str, float]:
+    """One cold sequential read of ``path`` in 16 MiB pieces, buffered and with O_DIRECT."""
     size = path.stat().st_size
     buf = mmap.mmap(-1, PIECE)  # page aligned, as O_DIRECT wants
 
@@ -161,45 +173,56 @@ def raw_read_gbps(d: Path, nbytes: int, repeats: int) -> dict[str, float]:
 
         return run
 
-    out = {"raw_read_buffered": size / best(read(0), repeats, lambda: drop_caches(d)) / 1e9}
+    out = {"raw_read_buffered": size / best(read(0), 1, lambda: drop_caches(d)) / 1e9}
     try:
-        out["raw_read_direct"] = (
-            size / best(read(getattr(os, "O_DIRECT", 0)), repeats, lambda: drop_caches(d)) / 1e9
-        )
+        direct = getattr(os, "O_DIRECT", 0)
+        out["raw_read_direct"] = size / best(read(direct), 1, lambda: drop_caches(d)) / 1e9
     except OSError:
         pass  # no O_DIRECT on this filesystem
-    path.unlink()
     return out
 
 
-# -- flashckpt -----------------------------------------------------------------------------------
-def flashckpt_gbps(
+# -- flashckpt, interleaved with the limits it is compared to -----------------------------------
+def rounds(
     state: dict[str, torch.Tensor], d: Path, shm: Path, repeats: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """``repeats`` rounds, each measuring memcpy, a memory-tier restore, a cold raw read, a
+    cold and a warm disk restore back to back (the machine's load moves between rounds, so
+    each ratio is taken inside one round). Returns the best GB/s of each, and the ratios of
+    every round."""
     nbytes = nbytes_of(state)
     root, mem = d / "flashckpt", shm / f"flashckpt-restore-bench-{os.getpid()}"
+    no_mem = str(d / "no-memory-tier")  # a memory tier holding nothing: read the disk
+    n = min(nbytes, 1 << 30)
+    src = torch.empty(n, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8).fill_(2)
+    raw = raw_file(d, nbytes)
+    bests: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
     try:
         with flashckpt.Checkpointer(root, memory_tier=mem) as ck:
             ck.save(1, state).durable.result()
         live = {k: torch.zeros_like(v) for k, v in state.items()}  # touched, like a model
 
-        def restore() -> None:
-            if flashckpt.restore(root, live) != 1:
+        def restore(**kw: Any) -> None:
+            if flashckpt.restore(root, live, **kw) != 1:
                 raise RuntimeError("flashckpt restore did not load step 1")
 
-        out = {"flashckpt_memory": nbytes / best(restore, repeats) / 1e9}
-        _check_equal(state, live, "flashckpt (memory tier)")
-        shutil.rmtree(mem)  # from here on the only copy is the local disk's
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "memory tier recorded in tiers.json is gone"
-            out["flashckpt_disk_cold"] = (
-                nbytes / best(restore, repeats, lambda: drop_caches(d)) / 1e9
-            )
-            _check_equal(state, live, "flashckpt (disk)")
-            restore()
-            out["flashckpt_disk_warm"] = nbytes / best(restore, repeats) / 1e9
-        return out
+        for _ in range(repeats):
+            r = memcpy_gbps(src, dst)
+            r["flashckpt_memory"] = nbytes / best(restore, 1) / 1e9
+            r.update(raw_read_gbps(raw, d))
+            cold = nbytes / best(lambda: restore(memory_tier=no_mem), 1, lambda: drop_caches(d))
+            r["flashckpt_disk_cold"] = cold / 1e9
+            r["flashckpt_disk_warm"] = nbytes / best(lambda: restore(memory_tier=no_mem), 1) / 1e9
+            for k, v in r.items():
+                bests[k] = max(bests.get(k, 0.0), v)
+            for k, v in ratios(r).items():
+                per_round.setdefault(k, []).append(v)
+        _check_equal(state, live, "flashckpt")
+        return bests, per_round
     finally:
+        raw.unlink()
         shutil.rmtree(mem, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -214,6 +237,7 @@ def _check_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
 def peer_gbps(state: dict[str, torch.Tensor], d: Path, shm: Path, repeats: int) -> dict[str, float]:
     import torch.distributed.checkpoint as dcp
 
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist=True
     nbytes = nbytes_of(state)
     live = {k: torch.zeros_like(v) for k, v in state.items()}  # touched, like a model
     out: dict[str, float] = {}
@@ -274,7 +298,7 @@ def ratios(r: dict[str, float]) -> dict[str, float]:
     out = {}
     mem = r.get("flashckpt_memory")
     if mem:
-        for k in ("memcpy_1_thread", "memcpy_all_threads"):
+        for k in ("memcpy_1_thread", "memcpy_all_threads", "memcpy_numpy_1_thread"):
             if r.get(k):
                 out[f"memory_restore / {k}"] = mem / r[k]
     raw = max(r.get("raw_read_buffered", 0.0), r.get("raw_read_direct", 0.0))
@@ -301,10 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"state: {len(state)} tensors, {format_bytes(nbytes)}; load average {load_start}")
     with tempfile.TemporaryDirectory(prefix="restore-bench-", dir=args.dir or os.getcwd()) as t:
         d, shm = Path(t), Path(args.shm)
-        res: dict[str, float] = {}
-        res.update(memcpy_gbps(nbytes, args.repeats))
-        res.update(raw_read_gbps(d, nbytes, args.repeats))
-        res.update(flashckpt_gbps(state, d, shm, args.repeats))
+        res, per_round = rounds(state, d, shm, args.repeats)
         if not args.no_peers:
             res.update(peer_gbps(state, d, shm, args.repeats))
         how = drop_caches(d)
@@ -316,14 +337,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cache_drop": how,
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
-        "gbps": res,
-        "ratios": ratios(res),
+        "gbps_best": res,
+        "ratios_per_round": per_round,
+        "ratios_median": {k: statistics.median(v) for k, v in per_round.items()},
     }
-    print(f"{'what':<28} GB/s")
+    print(f"{'what (best of rounds)':<28} GB/s")
     for k, v in res.items():
         print(f"{k:<28} {v:6.2f}")
-    for k, v in doc["ratios"].items():
-        print(f"{k}: {v:.2f}")
+    for k, v in per_round.items():
+        rounds_txt = " ".join(f"{x:.2f}" for x in v)
+        print(f"{k}: median {statistics.median(v):.2f} (rounds: {rounds_txt})")
     print(f"load average at the end {doc['load_average_end']}; commit {doc['machine']['commit']}")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))

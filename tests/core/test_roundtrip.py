@@ -97,3 +97,28 @@ def test_context_manager_and_closed(tmp_path, make_state):
     ckpt.close()
     with pytest.raises(flashckpt.FlashCkptError, match="closed"):
         ckpt.save(1, make_state())
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_roundtrip_from_the_memory_tier_bitwise(tmp_path, make_state, state_equal, compression):
+    """Restore reads the memory tier's chunks by mapping them when it is a tmpfs
+    (engine/reader.py); the state comes back bit for bit either way."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    mem = (shm if shm.is_dir() else tmp_path) / f"flashckpt-test-rt-{os.getpid()}-{compression}"
+    state = make_state(trained=2)
+    expected = copy.deepcopy(state)
+    try:
+        with flashckpt.Checkpointer(
+            tmp_path / "root", memory_tier=mem, compression=compression, chunk_size="64KiB"
+        ) as ckpt:
+            ckpt.save(4, state)
+        fresh = make_state(trained=0, seed=3)
+        with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ckpt:
+            assert ckpt.restore(fresh) == 4
+        state_equal(expected, fresh)
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)

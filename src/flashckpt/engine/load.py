@@ -64,15 +64,20 @@ def load_step(
     attempt: Attempt,
 ) -> None:
     """Validate the manifest, match it to ``state`` (mismatches raise before any byte is read),
-    read and verify the chunks in parallel straight into the targets, hand them over."""
+    read and verify the chunks in parallel straight into the targets, hand them over. The
+    attempt records the step as having touched the live state only when the reader is about to
+    write the first byte (from the memory tier: after every raw chunk was verified)."""
     t0 = time.perf_counter()
     manifest = store.load_manifest(step)
     plan = plan_restore(state, manifest, strict=strict, rank=rank)
     check_chunks_present(store, manifest, plan)
-    if attempt.touched is None:
-        attempt.touched = step  # from here on, bytes land in the live tensors
+
+    def first_write() -> None:  # from here on, bytes land in the live tensors
+        if attempt.touched is None:
+            attempt.touched = step
+
     with ThreadPoolExecutor(readers, thread_name_prefix="flashckpt-read") as ex:
-        loaded = read_plan(store, manifest, plan, ex)
+        loaded = read_plan(store, manifest, plan, ex, before_write=first_write)
     plan.finish(loaded)
     if journal is not None:
         journal.append(
@@ -97,13 +102,16 @@ def check_chunks_present(store: CheckpointStore, manifest: Manifest, plan: Resto
     for index, key in needed.items():
         ref = manifest.chunks[index]
         path = chunk_path(ref.hash, ref.codec)
+        what = ""
         try:
             size = store.backend.size(path)
-        except (FileNotFoundError, OSError):
-            size = -1
+        except FileNotFoundError:
+            size, what = -1, "missing"
+        except OSError as exc:  # a symlink, FIFO or directory there (never followed), or EIO
+            size, what = -1, f"unreadable ({exc})"
         expected = ref.size if ref.codec == "raw" else ref.stored_size
         if size < 0 or (expected > 0 and size != expected):
-            what = "missing" if size < 0 else f"{size} bytes, expected {expected}"
+            what = what or f"{size} bytes, expected {expected}"
             raise CorruptCheckpointError(
                 f"chunk {ref.hash} of tensor {key!r} in step {manifest.step} is {what}",
                 step=manifest.step,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import errno
 import itertools
+import mmap
 import os
 import stat
 import threading
@@ -43,7 +44,9 @@ class Backend(Protocol):
     4. ``put`` of the manifest, then ``sync_dirs`` of its directory: the checkpoint now exists.
 
     Reading: ``read(path)`` returns all bytes, ``read_into(path, out)`` fills ``out`` and returns
-    the byte count. ``delete(path)`` removes a file (missing is fine). Errors are raised as
+    the byte count. A backend whose files live in memory may also offer ``in_memory = True``
+    and ``map(path)`` (see :meth:`LocalBackend.map`); readers look for them with ``getattr``.
+    ``delete(path)`` removes a file (missing is fine). Errors are raised as
     :class:`~flashckpt.errors.StorageError` naming the path; a missing file on read raises
     ``FileNotFoundError`` so the store can tell damage from unavailability.
     """
@@ -87,6 +90,7 @@ class LocalBackend:
         self.fsync = fsync
         self.direct_io = direct_io
         self.direct_bytes = 0  # bytes written past the page cache (read by tests and bench)
+        self._in_memory: bool | None = None  # see in_memory
         self._stats_lock = threading.Lock()  # put() runs in several persist workers at once
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
@@ -152,17 +156,49 @@ class LocalBackend:
             os.close(fd)
 
     def read_into(self, path: str, out: memoryview) -> int:
+        """Fill ``out`` from the start of the file with large reads (the kernel is told the
+        file is read sequentially, which widens its readahead); returns the bytes read, fewer
+        than ``len(out)`` when the file is shorter."""
         fd = self._open_read(path)
         try:
+            _advise_sequential(fd)
             n = 0
             while n < len(out):
-                got = os.readv(fd, [out[n:]])
+                got = os.readv(fd, [out[n : n + READ_PIECE]])
                 if not got:
                     break
                 n += got
             return n
         except OSError as exc:
             raise _storage_error("read", self._abs(path), exc) from exc
+        finally:
+            os.close(fd)
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the root is on a memory filesystem (tmpfs, ramfs: the memory tier), where
+        mapping a file reads it at memory speed and a read() would only add a copy."""
+        if self._in_memory is None:
+            self._in_memory = filesystem_type(self.root) in MEMORY_FILESYSTEMS
+        return self._in_memory
+
+    def map(self, path: str) -> mmap.mmap | None:
+        """A private, copy-on-write map of the whole regular file ``path`` (None when it is
+        empty). Opened like every read: no symlink below the root is followed, and a FIFO,
+        socket, device or directory is refused as damage before anything is mapped. Writing
+        to the map never reaches the file. The caller checks the length against what it
+        expects before touching the bytes: a file that another process truncates *while* it is
+        mapped faults (SIGBUS) on access, as with any mapped reader; flashckpt never truncates
+        a chunk (written once under a temporary name, renamed, unlinked)."""
+        fd = self._open_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            err = exc if isinstance(exc, OSError) else OSError(errno.EINVAL, str(exc))
+            raise _storage_error("map", self._abs(path), err) from exc
         finally:
             os.close(fd)
 
@@ -242,6 +278,40 @@ class LocalBackend:
                     raise _storage_error("sync", self.root / rel, exc) from exc
             finally:
                 os.close(fd)
+
+
+READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def _advise_sequential(fd: int) -> None:
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass  # advice only
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4", ...; "" when unknown),
+    from the longest mount point above it in /proc/self/mountinfo (Linux)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rest = left.split(), right.split()
+                if len(fields) < 5 or not rest:
+                    continue
+                mount = fields[4].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, rest[0]
+    except OSError:
+        return ""
+    return kind
 
 
 def _unlink_quiet(dfd: int, name: str) -> None:

@@ -126,6 +126,29 @@ class CheckpointStore:
         except CorruptCheckpointError as exc:
             raise self._damaged(ref, exc) from None
 
+    def map_chunk(
+        self, ref: ChunkRef, *, step: int | None = None, key: str | None = None
+    ) -> Buffer:
+        """A raw chunk's bytes mapped from the backend (``backend.map``: the memory tier),
+        verified against its hash before this returns; nothing is copied. Damage (missing,
+        truncated, wrong bytes, not a regular file) raises CorruptCheckpointError like
+        :meth:`read_chunk`, with the chunk quarantined."""
+        try:
+            mapped = self.backend.map(chunk_path(ref.hash, "raw"))  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"chunk {ref.hash} is missing (tensor {key!r}, step {step})",
+                step=step,
+                key=key,
+                chunk=ref.hash,
+            ) from None
+        raw = b"" if mapped is None else mapped
+        try:
+            self._check(ref, raw, step=step, key=key)  # a wrong length fails here too
+        except CorruptCheckpointError as exc:
+            raise self._damaged(ref, exc) from None
+        return raw
+
     @staticmethod
     def _check(ref: ChunkRef, raw: Buffer, *, step: int | None, key: str | None) -> None:
         if len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash:

@@ -1,0 +1,389 @@
+"""Fetch the chunks a node's memory tier lacks from the memory tiers of other nodes (gloo).
+
+A collective over a gloo group: every rank of the group calls :func:`fetch_chunks` with the
+chunks its tier needs (for one step) and the identity of its tier (:func:`tier_identity`:
+ranks that report the same identity share one tier, whatever node they believe they are on).
+
+1. **Needs**: each rank checks which of its chunks are really present in its tier (a file of the
+   size at rest the manifest records) and all ranks exchange the missing ones with their tier
+   identity (JSON over ``all_gather``; nothing is pickled). The chunks a tier lacks are the union
+   of its ranks' needs, fetched once per tier, spread over that tier's ranks (least bytes first).
+2. **Holders**: each rank reports which of the chunks missing anywhere its own tier holds; a
+   chunk is assigned to the holder with the least bytes assigned so far (every rank computes the
+   same plan from the same exchanged data).
+3. **Transfers**: every rank walks its own sends and receives in the plan's order, with at most
+   ``max_inflight_bytes`` posted (at least one transfer), waiting on the oldest first: the
+   transfer lowest in the plan that is not done is then posted at both ends, so the walk never
+   deadlocks. A transfer is a size header (int64; -1 when the holder cannot read its copy)
+   and the chunk's bytes at rest, with tags unique to the transfer.
+4. **Trust nothing**: the receiver decodes and hashes what it got before writing it into its tier
+   through the store's backend (and tells the tier's liveness). Bytes that do not match the hash
+   are damage: journaled (``corrupt``, ``tier="peer"``), and that holder is not used again. The
+   outcomes are exchanged and what is still missing is assigned again to the remaining holders.
+   A chunk that no (usable) holder has raises :class:`PeerFetchError` naming it and the step, on
+   every rank alike.
+
+A rank that dies mid-transfer makes the gloo operations of its partners fail (after the group's
+timeout): that error propagates and the caller decides, with every rank, what to do next
+(:mod:`flashckpt.dist.restore` falls back to the disk and remote tiers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashckpt.errors import CorruptCheckpointError, StorageError
+from flashckpt.journal import Journal
+from flashckpt.store import codec as codecs
+from flashckpt.store.manifest import ChunkRef
+from flashckpt.store.pins import BOOT, HOST, Window
+from flashckpt.store.store import CheckpointStore, chunk_path
+
+MAX_INFLIGHT_BYTES = 256 << 20
+MAX_ROUNDS = 8  # each round after the first retries with strictly fewer holders
+_TAG_BASE = 1 << 20
+
+
+class PeerFetchError(StorageError):
+    """Chunks of a step could not be fetched from any peer's memory tier."""
+
+    def __init__(self, message: str, *, step: int | None = None, chunk: str | None = None):
+        super().__init__(message)
+        self.step = step
+        self.chunk = chunk
+
+
+@dataclass(kw_only=True)
+class FetchStats:
+    """What one rank moved in one :func:`fetch_chunks`."""
+
+    rank: int
+    received_bytes: int = 0
+    received_chunks: int = 0
+    sent_bytes: int = 0
+    sent_chunks: int = 0
+    seconds: float = 0.0
+    sources: dict[int, int] = field(default_factory=dict)  # holder rank -> bytes received
+    damaged: list[dict[str, Any]] = field(default_factory=list)  # {"chunk", "holder", "error"}
+    rounds: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transfer:
+    index: int
+    ref: ChunkRef
+    src: int  # group ranks
+    dst: int
+
+    @property
+    def nbytes(self) -> int:
+        return stored_size(self.ref)
+
+
+def tier_identity(path: str | os.PathLike[str]) -> str:
+    """Who a tier directory is: this host and boot, and the directory's device and inode. Ranks
+    on one machine that use different directories (simulated nodes) get different identities;
+    ranks of one node that share a directory get the same one."""
+    st = os.stat(Path(path))
+    return f"{HOST}/{BOOT}/{st.st_dev}/{st.st_ino}"
+
+
+def stored_size(ref: ChunkRef) -> int:
+    return ref.size if ref.codec == "raw" else ref.stored_size
+
+
+def present(store: CheckpointStore, ref: ChunkRef) -> bool:
+    """Is ``ref`` really in ``store``: a file of the size at rest the manifest records."""
+    try:
+        return store.backend.size(chunk_path(ref.hash, ref.codec)) == stored_size(ref)
+    except (OSError, StorageError):
+        return False
+
+
+def fetch_chunks(
+    group: Any,
+    store: CheckpointStore,
+    refs: Iterable[ChunkRef],
+    *,
+    step: int,
+    tier: str,
+    journal: Journal | None = None,
+    window: Window | None = None,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> FetchStats:
+    """Make every chunk of ``refs`` present in ``store`` (see the module docstring); a
+    collective: every rank of ``group`` calls it. ``window``: the caller's liveness window on
+    ``store``, which pins what is fetched until the caller's manifest names it."""
+    t0 = time.perf_counter()
+    rank = dist.get_rank(group)
+    stats = FetchStats(rank=rank)
+    needed = {r.hash: r for r in refs}
+    if window is not None:
+        for ref in needed.values():
+            window.claim(ref.hash, ref.size)
+    mine = [r.to_json() for r in needed.values() if not present(store, r)]
+    infos = allgather_json(group, {"tier": tier, "need": mine})
+    plan = _Plan.build(infos)
+    holds = [h for h, ref in sorted(plan.wanted.items()) if present(store, ref)]
+    plan.holders(allgather_json(group, holds))
+    while plan.missing_anywhere():
+        stats.rounds += 1
+        transfers = plan.assign(step)
+        outcome = _run(group, rank, store, transfers, stats, step, journal, max_inflight_bytes)
+        for h in plan.update(allgather_json(group, outcome), step).get(rank, []):
+            store.liveness.quarantine(
+                plan.wanted[h], reason=f"a peer found it damaged (step {step})"
+            )
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+class _Plan:
+    """The tiers, what each lacks and who holds it: identical on every rank."""
+
+    def __init__(self, tiers: dict[str, list[int]], missing: dict[str, dict[str, ChunkRef]]):
+        self.tiers = tiers  # identity -> its ranks
+        self.missing = missing  # identity -> {hash: ref}
+        self.tier_of = {r: t for t, rs in tiers.items() for r in rs}
+        self.wanted: dict[str, ChunkRef] = {}
+        for lack in missing.values():
+            self.wanted.update(lack)
+        self.held: dict[str, list[int]] = {}  # hash -> ranks holding it
+        self.bad: set[int] = set()  # holders that sent damaged bytes
+        self.declined: set[tuple[str, int]] = set()  # (hash, holder) that could not send
+        self.rounds = 0
+
+    @classmethod
+    def build(cls, infos: list[Any]) -> _Plan:
+        tiers: dict[str, list[int]] = {}
+        missing: dict[str, dict[str, ChunkRef]] = {}
+        for r, info in enumerate(infos):
+            tiers.setdefault(str(info["tier"]), []).append(r)
+            lack = missing.setdefault(str(info["tier"]), {})
+            for h, size, codec, stored in info["need"]:
+                lack[h] = ChunkRef(hash=h, size=int(size), codec=codec, stored_size=int(stored))
+        return cls(tiers, missing)
+
+    def holders(self, holds: list[Any]) -> None:
+        for r, hashes in enumerate(holds):
+            for h in hashes:
+                self.held.setdefault(h, []).append(r)
+
+    def missing_anywhere(self) -> bool:
+        return any(self.missing.values())
+
+    def assign(self, step: int) -> list[Transfer]:
+        """This round's transfers; raises on every rank alike when a chunk has no holder."""
+        self.rounds += 1
+        if self.rounds > MAX_ROUNDS:
+            raise PeerFetchError(f"step {step}: chunks still missing after {MAX_ROUNDS} rounds")
+        sent: dict[int, int] = {}
+        out: list[Transfer] = []
+        for ident in sorted(self.missing):
+            got: dict[int, int] = {r: 0 for r in self.tiers[ident]}
+            for h, ref in sorted(self.missing[ident].items()):
+                src = self._holder(h, ident, sent, step)
+                dst = min(got, key=lambda r: (got[r], r))
+                got[dst] += stored_size(ref)
+                sent[src] = sent.get(src, 0) + stored_size(ref)
+                out.append(Transfer(index=len(out), ref=ref, src=src, dst=dst))
+        return out
+
+    def _holder(self, h: str, ident: str, sent: dict[int, int], step: int) -> int:
+        usable = [
+            r
+            for r in self.held.get(h, [])
+            if r not in self.bad and (h, r) not in self.declined and self.tier_of[r] != ident
+        ]
+        if not usable:
+            why = "every rank holding it sent damaged bytes or could not read it"
+            why = why if self.held.get(h) else "no other node's memory tier holds it"
+            raise PeerFetchError(
+                f"chunk {h} of step {step} cannot be fetched from a peer: {why}; restore "
+                "from the disk or remote tier instead",
+                step=step,
+                chunk=h,
+            )
+        return min(usable, key=lambda r: (sent.get(r, 0), r))
+
+    def update(self, outcomes: list[Any], step: int) -> dict[int, list[str]]:
+        """Take in a round's outcomes; returns ``{holder: [hashes it sent damaged]}``."""
+        errors = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if o["error"]]
+        if errors:
+            raise PeerFetchError(
+                f"step {step}: writing fetched chunks failed ({'; '.join(errors)})"
+            )
+        damaged: dict[int, list[str]] = {}
+        for o in outcomes:
+            for h, r in o["bad"]:
+                self.bad.add(int(r))
+                damaged.setdefault(int(r), []).append(h)
+            self.declined.update((h, int(r)) for h, r in o["declined"])
+        for o in outcomes:
+            lack = self.missing[self.tier_of[int(o["rank"])]]
+            for h in o["done"]:
+                lack.pop(h, None)
+        return damaged
+
+
+@dataclass(kw_only=True)
+class _Op:
+    t: Transfer
+    sending: bool
+    header: torch.Tensor
+    works: list[Any] = field(default_factory=list)
+    payload: torch.Tensor | None = None
+
+
+def _run(
+    group: Any,
+    rank: int,
+    store: CheckpointStore,
+    transfers: Sequence[Transfer],
+    stats: FetchStats,
+    step: int,
+    journal: Journal | None,
+    limit: int,
+) -> dict[str, Any]:
+    """Walk this rank's part of the round (module docstring, step 3); its outcome."""
+    outcome: dict[str, Any] = {"rank": rank, "done": [], "bad": [], "declined": [], "error": ""}
+    todo = deque(t for t in transfers if rank in (t.src, t.dst))
+    posted: deque[_Op] = deque()
+    inflight = 0
+    while todo or posted:
+        while todo and (not posted or inflight + todo[0].nbytes <= limit):
+            t = todo.popleft()
+            posted.append(_post_send(group, store, t) if t.src == rank else _post_recv(group, t))
+            inflight += t.nbytes
+        op = posted.popleft()
+        inflight -= op.t.nbytes
+        if op.sending:
+            for w in op.works:
+                w.wait()
+            stats.sent_bytes += op.t.nbytes if int(op.header[0]) >= 0 else 0
+            stats.sent_chunks += 1 if int(op.header[0]) >= 0 else 0
+        else:
+            _finish_recv(group, store, op, stats, step, journal, outcome)
+    return outcome
+
+
+def _post_send(group: Any, store: CheckpointStore, t: Transfer) -> _Op:
+    try:
+        data = store.backend.read(chunk_path(t.ref.hash, t.ref.codec))
+    except (OSError, StorageError):
+        data = None
+    ok = data is not None and len(data) == t.nbytes
+    header = torch.tensor([t.nbytes if ok else -1], dtype=torch.int64)
+    op = _Op(t=t, sending=True, header=header)
+    op.works.append(dist.isend(header, group=group, group_dst=t.dst, tag=_tag(t, 0)))
+    if ok and data:
+        op.payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        op.works.append(dist.isend(op.payload, group=group, group_dst=t.dst, tag=_tag(t, 1)))
+    return op
+
+
+def _post_recv(group: Any, t: Transfer) -> _Op:
+    header = torch.zeros(1, dtype=torch.int64)
+    op = _Op(t=t, sending=False, header=header)
+    op.works.append(dist.irecv(header, group=group, group_src=t.src, tag=_tag(t, 0)))
+    return op
+
+
+def _finish_recv(
+    group: Any,
+    store: CheckpointStore,
+    op: _Op,
+    stats: FetchStats,
+    step: int,
+    journal: Journal | None,
+    outcome: dict[str, Any],
+) -> None:
+    t = op.t
+    op.works[0].wait()
+    n = int(op.header[0])
+    if n < 0:
+        outcome["declined"].append([t.ref.hash, t.src])
+        return
+    payload = torch.empty(n, dtype=torch.uint8)
+    if n:
+        dist.recv(payload, group=group, group_src=t.src, tag=_tag(t, 1))
+    data = payload.numpy().tobytes()
+    try:
+        _verify(t.ref, data, step)
+    except CorruptCheckpointError as exc:
+        _damaged(t, str(exc), stats, step, journal, outcome)
+        return
+    try:
+        written = store.backend.put(chunk_path(t.ref.hash, t.ref.codec), [data])
+    except (OSError, StorageError) as exc:
+        outcome["error"] = outcome["error"] or f"cannot write chunk {t.ref.hash}: {exc}"
+        return
+    ref = ChunkRef(hash=t.ref.hash, size=t.ref.size, codec=t.ref.codec, stored_size=written)
+    store.liveness.added(ref)
+    stats.received_bytes += n
+    stats.received_chunks += 1
+    stats.sources[t.src] = stats.sources.get(t.src, 0) + n
+    outcome["done"].append(t.ref.hash)
+
+
+def _verify(ref: ChunkRef, data: bytes, step: int) -> None:
+    if len(data) != stored_size(ref):
+        raise CorruptCheckpointError(
+            f"chunk {ref.hash} of step {step} arrived with {len(data)} bytes, expected "
+            f"{stored_size(ref)}",
+            step=step,
+            chunk=ref.hash,
+        )
+    raw = codecs.decode(data, ref.codec, ref.size, chunk=ref.hash)
+    if len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash:
+        raise CorruptCheckpointError(
+            f"chunk {ref.hash} of step {step} arrived damaged: its content does not match its hash",
+            step=step,
+            chunk=ref.hash,
+        )
+
+
+def _damaged(
+    t: Transfer,
+    error: str,
+    stats: FetchStats,
+    step: int,
+    journal: Journal | None,
+    outcome: dict[str, Any],
+) -> None:
+    stats.damaged.append({"chunk": t.ref.hash, "holder": t.src, "error": error})
+    outcome["bad"].append([t.ref.hash, t.src])
+    if journal is not None:
+        journal.append(
+            "corrupt", step=step, tier="peer", chunk=t.ref.hash, holder=t.src, error=error
+        )
+
+
+def _tag(t: Transfer, part: int) -> int:
+    return _TAG_BASE + 2 * t.index + part
+
+
+def allgather_json(group: Any, obj: Any) -> list[Any]:
+    """``obj`` of every rank of ``group``, in rank order, as JSON over two ``all_gather``."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    top = max(int(s[0]) for s in sizes)
+    buf = torch.zeros(top, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(top, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(b[: int(s[0])].numpy().tobytes()) for b, s in zip(bufs, sizes)]

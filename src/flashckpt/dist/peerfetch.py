@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashckpt.dist.peerplan import FetchPlan, PeerFetchError, Transfer, stored_size
 from flashckpt.errors import CorruptCheckpointError, StorageError
 from flashckpt.journal import Journal
 from flashckpt.store import codec as codecs
@@ -50,17 +51,9 @@ from flashckpt.store.pins import BOOT, HOST, Window
 from flashckpt.store.store import CheckpointStore, chunk_path
 
 MAX_INFLIGHT_BYTES = 256 << 20
-MAX_ROUNDS = 8  # each round after the first retries with strictly fewer holders
 _TAG_BASE = 1 << 20
 
-
-class PeerFetchError(StorageError):
-    """Chunks of a step could not be fetched from any peer's memory tier."""
-
-    def __init__(self, message: str, *, step: int | None = None, chunk: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.chunk = chunk
+__all__ = ["FetchPlan", "FetchStats", "PeerFetchError", "fetch_chunks", "plan_fetch", "run_fetch"]
 
 
 @dataclass(kw_only=True)
@@ -78,28 +71,12 @@ class FetchStats:
     rounds: int = 0
 
 
-@dataclass(frozen=True, kw_only=True)
-class Transfer:
-    index: int
-    ref: ChunkRef
-    src: int  # group ranks
-    dst: int
-
-    @property
-    def nbytes(self) -> int:
-        return stored_size(self.ref)
-
-
 def tier_identity(path: str | os.PathLike[str]) -> str:
     """Who a tier directory is: this host and boot, and the directory's device and inode. Ranks
     on one machine that use different directories (simulated nodes) get different identities;
     ranks of one node that share a directory get the same one."""
     st = os.stat(Path(path))
     return f"{HOST}/{BOOT}/{st.st_dev}/{st.st_ino}"
-
-
-def stored_size(ref: ChunkRef) -> int:
-    return ref.size if ref.codec == "raw" else ref.stored_size
 
 
 def present(store: CheckpointStore, ref: ChunkRef) -> bool:
@@ -124,18 +101,55 @@ def fetch_chunks(
     """Make every chunk of ``refs`` present in ``store`` (see the module docstring); a
     collective: every rank of ``group`` calls it. ``window``: the caller's liveness window on
     ``store``, which pins what is fetched until the caller's manifest names it."""
+    plan = plan_fetch(group, store, refs, tier=tier, window=window)
+    return run_fetch(
+        group, store, plan, step=step, journal=journal, max_inflight_bytes=max_inflight_bytes
+    )
+
+
+def plan_fetch(
+    group: Any,
+    store: CheckpointStore,
+    refs: Iterable[ChunkRef],
+    *,
+    tier: str,
+    error: str = "",
+    window: Window | None = None,
+) -> FetchPlan:
+    """Steps 1-2 of the module docstring (two ``all_gather``): who lacks what, who holds it.
+    ``error``: this rank cannot take part (it names no needs); every rank sees it in
+    :attr:`FetchPlan.errors`."""
     t0 = time.perf_counter()
-    rank = dist.get_rank(group)
-    stats = FetchStats(rank=rank)
     needed = {r.hash: r for r in refs}
     if window is not None:
         for ref in needed.values():
             window.claim(ref.hash, ref.size)
     mine = [r.to_json() for r in needed.values() if not present(store, r)]
-    infos = allgather_json(group, {"tier": tier, "need": mine})
-    plan = _Plan.build(infos)
+    plan = FetchPlan.build(allgather_json(group, {"tier": tier, "need": mine, "error": error}))
     holds = [h for h, ref in sorted(plan.wanted.items()) if present(store, ref)]
     plan.holders(allgather_json(group, holds))
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def run_fetch(
+    group: Any,
+    store: CheckpointStore,
+    plan: FetchPlan,
+    *,
+    step: int,
+    journal: Journal | None = None,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> FetchStats:
+    """Steps 3-4 of the module docstring: move and verify what ``plan`` says, round by round."""
+    t0 = time.perf_counter() - plan.seconds
+    rank = dist.get_rank(group)
+    stats = FetchStats(rank=rank)
+    if plan.errors:
+        what = "; ".join(f"rank {r}: {e}" for r, e in sorted(plan.errors.items()))
+        raise PeerFetchError(
+            f"step {step}: not every rank can fetch from peers ({what})", step=step
+        )
     while plan.missing_anywhere():
         stats.rounds += 1
         transfers = plan.assign(step)
@@ -146,94 +160,6 @@ def fetch_chunks(
             )
     stats.seconds = time.perf_counter() - t0
     return stats
-
-
-class _Plan:
-    """The tiers, what each lacks and who holds it: identical on every rank."""
-
-    def __init__(self, tiers: dict[str, list[int]], missing: dict[str, dict[str, ChunkRef]]):
-        self.tiers = tiers  # identity -> its ranks
-        self.missing = missing  # identity -> {hash: ref}
-        self.tier_of = {r: t for t, rs in tiers.items() for r in rs}
-        self.wanted: dict[str, ChunkRef] = {}
-        for lack in missing.values():
-            self.wanted.update(lack)
-        self.held: dict[str, list[int]] = {}  # hash -> ranks holding it
-        self.bad: set[int] = set()  # holders that sent damaged bytes
-        self.declined: set[tuple[str, int]] = set()  # (hash, holder) that could not send
-        self.rounds = 0
-
-    @classmethod
-    def build(cls, infos: list[Any]) -> _Plan:
-        tiers: dict[str, list[int]] = {}
-        missing: dict[str, dict[str, ChunkRef]] = {}
-        for r, info in enumerate(infos):
-            tiers.setdefault(str(info["tier"]), []).append(r)
-            lack = missing.setdefault(str(info["tier"]), {})
-            for h, size, codec, stored in info["need"]:
-                lack[h] = ChunkRef(hash=h, size=int(size), codec=codec, stored_size=int(stored))
-        return cls(tiers, missing)
-
-    def holders(self, holds: list[Any]) -> None:
-        for r, hashes in enumerate(holds):
-            for h in hashes:
-                self.held.setdefault(h, []).append(r)
-
-    def missing_anywhere(self) -> bool:
-        return any(self.missing.values())
-
-    def assign(self, step: int) -> list[Transfer]:
-        """This round's transfers; raises on every rank alike when a chunk has no holder."""
-        self.rounds += 1
-        if self.rounds > MAX_ROUNDS:
-            raise PeerFetchError(f"step {step}: chunks still missing after {MAX_ROUNDS} rounds")
-        sent: dict[int, int] = {}
-        out: list[Transfer] = []
-        for ident in sorted(self.missing):
-            got: dict[int, int] = {r: 0 for r in self.tiers[ident]}
-            for h, ref in sorted(self.missing[ident].items()):
-                src = self._holder(h, ident, sent, step)
-                dst = min(got, key=lambda r: (got[r], r))
-                got[dst] += stored_size(ref)
-                sent[src] = sent.get(src, 0) + stored_size(ref)
-                out.append(Transfer(index=len(out), ref=ref, src=src, dst=dst))
-        return out
-
-    def _holder(self, h: str, ident: str, sent: dict[int, int], step: int) -> int:
-        usable = [
-            r
-            for r in self.held.get(h, [])
-            if r not in self.bad and (h, r) not in self.declined and self.tier_of[r] != ident
-        ]
-        if not usable:
-            why = "every rank holding it sent damaged bytes or could not read it"
-            why = why if self.held.get(h) else "no other node's memory tier holds it"
-            raise PeerFetchError(
-                f"chunk {h} of step {step} cannot be fetched from a peer: {why}; restore "
-                "from the disk or remote tier instead",
-                step=step,
-                chunk=h,
-            )
-        return min(usable, key=lambda r: (sent.get(r, 0), r))
-
-    def update(self, outcomes: list[Any], step: int) -> dict[int, list[str]]:
-        """Take in a round's outcomes; returns ``{holder: [hashes it sent damaged]}``."""
-        errors = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if o["error"]]
-        if errors:
-            raise PeerFetchError(
-                f"step {step}: writing fetched chunks failed ({'; '.join(errors)})"
-            )
-        damaged: dict[int, list[str]] = {}
-        for o in outcomes:
-            for h, r in o["bad"]:
-                self.bad.add(int(r))
-                damaged.setdefault(int(r), []).append(h)
-            self.declined.update((h, int(r)) for h, r in o["declined"])
-        for o in outcomes:
-            lack = self.missing[self.tier_of[int(o["rank"])]]
-            for h in o["done"]:
-                lack.pop(h, None)
-        return damaged
 
 
 @dataclass(kw_only=True)
@@ -387,3 +313,15 @@ def allgather_json(group: Any, obj: Any) -> list[Any]:
     bufs = [torch.zeros(top, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
     return [json.loads(b[: int(s[0])].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+def broadcast_bytes(group: Any, data: bytes, src: int) -> bytes:
+    """``data`` of group rank ``src`` on every rank of ``group`` (size first, then bytes)."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=src)
+    buf = torch.zeros(int(size[0]), dtype=torch.uint8)
+    if dist.get_rank(group) == src and data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if int(size[0]):
+        dist.broadcast(buf, group=group, group_src=src)
+    return buf.numpy().tobytes()

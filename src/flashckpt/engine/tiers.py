@@ -58,6 +58,9 @@ class Tier:
     # remote tiers whose root id could not be checked at start (unreachable): checked before
     # the first promotion writes to them (a failure there is retried like the copy)
     unclaimed: Callable[[], None] | None = field(default=None, repr=False)
+    # a memory tier of one node under peer replication (dist/): holds the chunks of its node's
+    # ranks and replicas only, so it is never promoted from here (dist/replicate.py promotes)
+    node_local: bool = False
 
     def claim(self) -> None:
         if self.unclaimed is not None:
@@ -240,7 +243,7 @@ class TierSet:
     def committed(self, step: int, tier: Tier, manifest: Manifest | None = None) -> None:
         """A step is durable in ``tier``: queue its promotion to the slower tiers."""
         slower = self.tiers[self.tiers.index(tier) + 1 :]
-        if not slower:
+        if not slower or tier.node_local:
             return
         m = manifest if manifest is not None else tier.store.load_manifest(step)
         pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)

@@ -44,6 +44,7 @@ from flashckpt.dist.commit import DistSaveJob
 from flashckpt.dist.context import DistContext
 from flashckpt.dist.nodes import NodeMap, gather_nodes
 from flashckpt.dist.ownership import split_for_rank
+from flashckpt.dist.peerrestore import peer_source
 from flashckpt.dist.restore import restore_agreed
 from flashckpt.dist.shared import check_shared
 from flashckpt.engine.options import Replication
@@ -273,16 +274,36 @@ class DistRuntime:
         step: int | None,
         steps: list[int],
         load: Callable[[int], Any],
+        load_tier: Callable[[int, Any], None] | None = None,
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);
-        ``load(step)`` loads one step into ``state`` on this rank."""
+        ``load(step)`` loads one step into ``state`` on this rank, ``load_tier(step, tier)``
+        from one tier (a node-local memory tier first restores from peers: dist/peerrestore)."""
 
         def on_corrupt(cand: int, msg: str) -> None:
             warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
             journal.append("corrupt", step=cand, tier="local", error=msg)
 
+        peer = None
+        if self.node_local and self.nodes is not None and load_tier is not None:
+            found = peer_source(
+                tiers=self._tiers,
+                leader=self.nodes.is_leader(self.rank),
+                channel=self.side_channel,
+                journal=journal,
+                load_tier=load_tier,
+            )
+            if found is not None:
+                peer, load = found
         return restore_agreed(
-            self.ctx, store, step=step, steps=steps, load=load, on_corrupt=on_corrupt, state=state
+            self.ctx,
+            store,
+            step=step,
+            steps=steps,
+            load=load,
+            on_corrupt=on_corrupt,
+            state=state,
+            peer=peer,
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,21 @@ def peer_job(rank: int, world: int, base: str, fault: str = "") -> dict[str, Any
             attempt=attempt,
         )
 
+    group = dist.group.WORLD
+    if fault == "send":  # the holder fails mid-fetch; its partner's gloo recv times out
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+        if rank == 0:
+            import flashckpt.dist.peerfetch as peerfetch
+
+            def broken(*a: Any, **k: Any) -> Any:
+                raise RuntimeError("Connection reset by peer")
+
+            peerfetch._post_send = broken  # type: ignore[assignment]
     peer = PeerSource(
         store=mem,
         tier=tier_identity(node),
         leader=True,
-        channel=lambda: nullcontext(dist.group.WORLD),
+        channel=lambda: nullcontext(group),
         load=load(mem, "memory"),
         journal=journal,
     )
@@ -146,7 +157,7 @@ def test_a_chunk_no_node_holds_falls_back_to_the_disk_together(ranks: Any, tmp_p
         assert not [e for e in r["events"] if e["event"] == "restored_from_peers"]
 
 
-@pytest.mark.parametrize("fault", ["commit", "load"])
+@pytest.mark.parametrize("fault", ["commit", "load", "send"])
 def test_a_failure_on_one_rank_sends_every_rank_to_the_disk(
     ranks: Any, tmp_path: Path, fault: str
 ) -> None:
@@ -157,8 +168,9 @@ def test_a_failure_on_one_rank_sends_every_rank_to_the_disk(
     for r in res:
         assert r["step"] == 3 and _same(r["state"], _state(3)["model"])
         (failed,) = [e for e in r["events"] if e["event"] == "peer_restore_failed"]
-        assert failed["step"] == 5 and "rank 1" in failed["error"]
-        assert failed["phase"] == ("fetching" if fault == "commit" else "loading")
+        failing = "rank 0: RuntimeError: Connection reset" if fault == "send" else "rank 1"
+        assert failed["step"] == 5 and failing in failed["error"], failed
+        assert failed["phase"] == ("loading" if fault == "load" else "fetching")
         assert r["loads"][-1] == "local"
 
 

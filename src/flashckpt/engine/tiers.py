@@ -61,6 +61,7 @@ class Tier:
     # a memory tier of one node under peer replication (dist/): holds the chunks of its node's
     # ranks and replicas only, so it is never promoted from here (dist/replicate.py promotes)
     node_local: bool = False
+    suspended: str | None = None  # why saves skip this tier now (replication stopped)
 
     def claim(self) -> None:
         if self.unclaimed is not None:
@@ -218,6 +219,8 @@ class TierSet:
         first = self.fastest
         if first.name != "memory" or first.path is None:
             return first
+        if first.suspended is not None and len(self.tiers) > 1:
+            return self.tiers[1]  # a node-local tier nobody replicates any more: disk instead
         free = shutil.disk_usage(first.path).free
         needed = nbytes + max(SPACE_MARGIN_BYTES, nbytes // 20)
         if free >= needed:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from flashckpt import Checkpointer
+from flashckpt.cli import main
 from flashckpt.dist.replicate import replicated_steps
 from flashckpt.engine.options import Replication
 from flashckpt.journal import read_events
@@ -67,7 +68,7 @@ def ring_job(rank: int, world: int, root: str, shm: str, per_node: int) -> dict[
 
 @pytest.mark.parametrize("per_node", [1, 2])
 def test_each_node_holds_its_peers_chunks_and_unchanged_chunks_are_not_resent(
-    ranks: Any, tmp_path: Path, shm: Path, per_node: int
+    ranks: Any, tmp_path: Path, shm: Path, per_node: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "ckpt"
     world = 2 * per_node
@@ -88,6 +89,11 @@ def test_each_node_holds_its_peers_chunks_and_unchanged_chunks_are_not_resent(
     assert by_step[2] == by_step[3] == chunk, by_step
     assert by_step[1] > 4 * chunk, "the first step sends everything"
     assert sum(r["sent"][2] for r in results) == chunk
+    assert main(["ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith("3 ") and "memory,local (replicated)" in ln for ln in lines), lines
+    assert main(["status", str(root)]) == 0
+    assert "peer replication: 3 step(s) replicated (newest 3), 0 failed" in capsys.readouterr().out
 
 
 def skipping_job(rank: int, world: int, root: str, shm: str) -> list[int]:

@@ -156,6 +156,7 @@ class DistRuntime:
         from flashckpt.dist.replicate import Replicator
 
         mem.node_local = True
+        tiers.write_config()  # records node_local for ls / verify
         self.replicator = Replicator(self, tiers=tiers, memory=mem, journal=journal)
         mem.keep = self.replicator.retention(mem.keep)
 

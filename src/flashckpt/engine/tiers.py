@@ -154,6 +154,13 @@ def _add_tiers(
     tiers.append(Tier(name="local", store=local, keep=keep, path=local_root))
 
 
+def _config_entry(tier: Tier) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": tier.name, "url": public_url(tier.url)}
+    if tier.node_local:  # holds its node's chunks (and replicas) only: verify/ls must know
+        entry["node_local"] = True
+    return entry
+
+
 class TierSet:
     """The tiers of one Checkpointer, their pins, and the promoter."""
 
@@ -177,7 +184,7 @@ class TierSet:
             after=self.retain,
             release=self.release,
         )
-        self._write_config()
+        self.write_config()
 
     @property
     def fastest(self) -> Tier:
@@ -186,14 +193,14 @@ class TierSet:
     def by_name(self, name: str) -> Tier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
-    def _write_config(self) -> None:
+    def write_config(self) -> None:
         """Record the tiers and the root id in every local tier (no link is followed)."""
         local = self.by_name("local")
         rid = tierid.ensure_root_id(local.path) if local and local.path else None
         doc = {
             "version": 1,
             "root_id": rid,
-            "tiers": [{"name": t.name, "url": public_url(t.url)} for t in self.tiers],
+            "tiers": [_config_entry(t) for t in self.tiers],
         }
         data = json.dumps(doc, indent=1).encode()
         for t in self.tiers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replication(events: list[dict[str, Any]]) -> dict[str, Any]:
+def _replication(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What the journal says about peer replication ({} when it never ran)."""
     done = [e for e in events if e.get("event") == "replicated"]
     failed = [e for e in events if e.get("event") == "replication_failed"]

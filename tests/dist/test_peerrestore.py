@@ -81,16 +81,16 @@ def peer_job(rank: int, world: int, base: str, fault: str = "") -> dict[str, Any
             attempt=attempt,
         )
 
-    group = dist.group.WORLD
+    group, broken = dist.group.WORLD, []
     if fault == "send":  # the holder fails mid-fetch; its partner's gloo recv times out
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
         if rank == 0:
             import flashckpt.dist.peerfetch as peerfetch
 
-            def broken(*a: Any, **k: Any) -> Any:
+            def reset(*a: Any, **k: Any) -> Any:
                 raise RuntimeError("Connection reset by peer")
 
-            peerfetch._post_send = broken  # type: ignore[assignment]
+            peerfetch._post_send = reset  # type: ignore[assignment]
     peer = PeerSource(
         store=mem,
         tier=tier_identity(node),
@@ -98,6 +98,7 @@ def peer_job(rank: int, world: int, base: str, fault: str = "") -> dict[str, Any
         channel=lambda: nullcontext(group),
         load=load(mem, "memory"),
         journal=journal,
+        broken=lambda exc: broken.append(type(exc).__name__),
     )
     if fault == "commit" and rank == 1:  # the replacement node's tier is full
 
@@ -121,7 +122,13 @@ def peer_job(rank: int, world: int, base: str, fault: str = "") -> dict[str, Any
     )
     events = [e for e in read_events(node / "journal.jsonl") if e["event"] != "restore"]
     loads = [e["tier"] for e in read_events(node / "journal.jsonl") if e["event"] == "restore"]
-    return {"step": got, "state": state["model"], "events": events, "loads": loads}
+    return {
+        "step": got,
+        "state": state["model"],
+        "events": events,
+        "loads": loads,
+        "broken": broken,
+    }
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -172,6 +179,7 @@ def test_a_failure_on_one_rank_sends_every_rank_to_the_disk(
         assert failed["step"] == 5 and failing in failed["error"], failed
         assert failed["phase"] == ("loading" if fault == "load" else "fetching")
         assert r["loads"][-1] == "local"
+        assert len(r["broken"]) == (fault == "send"), "only a transport error breaks the group"
 
 
 def test_a_newer_step_on_disk_wins_over_older_node_tiers(ranks: Any, tmp_path: Path) -> None:

@@ -63,6 +63,9 @@ class PeerSource:
     channel: Callable[[], AbstractContextManager[Any]]  # the gloo side group, while idle
     load: Callable[[int], None]  # load a step from this node's tier into the live state
     journal: Journal
+    # told when the side group failed under a fetch (gloo groups do not recover): replication
+    # stops instead of waiting on a broken group
+    broken: Callable[[BaseException], None] | None = None
 
 
 def peer_source(
@@ -72,6 +75,7 @@ def peer_source(
     channel: Callable[[], AbstractContextManager[Any]],
     journal: Journal,
     load_tier: Callable[[int, Any], None],
+    broken: Callable[[BaseException], None] | None = None,
 ) -> tuple[PeerSource, Callable[[int], Any]] | None:
     """The peer source of a Checkpointer whose memory tier is node-local (else None), and the
     load of the fallback path: the slower tiers only (a node's tier lacks other nodes' chunks,
@@ -86,6 +90,7 @@ def peer_source(
         channel=channel,
         load=lambda s: load_tier(s, mem),
         journal=journal,
+        broken=broken,
     )
     slower = [t for t in tiers.tiers if t is not mem]
 
@@ -231,6 +236,8 @@ def _fetch(
             hashes = sorted(manifest.chunk_hashes())
             peer.store.commit(manifest, chunk_dirs=peer.store.chunk_dirs(hashes))
     except Exception as exc:  # a dead peer (gloo), damage everywhere, a full tier
+        if not isinstance(exc, FlashCkptError) and peer.broken is not None:
+            peer.broken(exc)  # the transport failed: the side group is unusable from now on
         return None, f"{type(exc).__name__}: {exc}"
     return stats, ""
 

@@ -53,6 +53,18 @@ def _plant_damaged(store: CheckpointStore, name: str) -> None:
     store.backend.put(chunk_path(REFS[name].hash, "raw"), [bytes(bad)])
 
 
+def _unreadable(store: CheckpointStore, ref: ChunkRef) -> None:
+    """Reading this chunk fails (an I/O error) although its file is there."""
+    real = store.backend.read_into
+
+    def read_into(path: str, out: memoryview) -> int:
+        if path == chunk_path(ref.hash, ref.codec):
+            raise OSError(5, "Input/output error")
+        return real(path, out)
+
+    store.backend.read_into = read_into  # type: ignore[method-assign]
+
+
 def fetch_job(rank: int, world: int, tmp: str, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -62,6 +74,8 @@ def fetch_job(rank: int, world: int, tmp: str, spec: dict[str, Any]) -> dict[str
         _put(store, name)
     for name in spec.get("damaged", {}).get(str(rank), []):
         _plant_damaged(store, name)
+    for name in spec.get("unreadable", {}).get(str(rank), []):
+        _unreadable(store, REFS[name])
     dist.barrier()  # every tier is populated before anyone looks
     refs = [ZREF if n == "zipped" else REFS[n] for n in spec["need"]]
     journal = Journal(tier / "journal.jsonl", rank=rank)
@@ -140,6 +154,20 @@ def test_damaged_bytes_from_a_holder_are_refused_and_it_is_not_used_again(
     (event,) = res[0]["events"]
     assert event["tier"] == "peer" and event["chunk"] == REFS["alpha"].hash and event["step"] == 7
     assert res[1]["quarantined"] == [REFS["alpha"].hash], "the holder quarantines its copy"
+
+
+def test_a_holder_that_cannot_read_its_copy_declines_and_another_sends_it(
+    ranks: Any, tmp_path: Path
+) -> None:
+    spec = {
+        "dirs": ["t0", "t1", "t2"],
+        "have": {"1": ["alpha"], "2": ["alpha"]},
+        "unreadable": {"1": ["alpha"]},  # rank 1 is asked first (tie on bytes, lowest rank)
+        "need": ["alpha"],
+    }
+    res = ranks.ok(ranks(fetch_job, 3, tmp_path, str(tmp_path), spec))
+    assert res[0]["good"] and res[0]["sources"] == {2: 3000}
+    assert res[0]["rounds"] == 2 and res[0]["damaged"] == [], "declining is not damage"
 
 
 def test_a_chunk_only_a_damaged_holder_has_is_an_error_on_every_rank(

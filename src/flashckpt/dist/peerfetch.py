@@ -14,8 +14,9 @@ ranks that report the same identity share one tier, whatever node they believe t
 3. **Transfers**: every rank walks its own sends and receives in the plan's order, with at most
    ``max_inflight_bytes`` posted (at least one transfer), waiting on the oldest first: the
    transfer lowest in the plan that is not done is then posted at both ends, so the walk never
-   deadlocks. A transfer is a size header (int64; -1 when the holder cannot read its copy)
-   and the chunk's bytes at rest, with tags unique to the transfer.
+   deadlocks. A transfer is a header (int64: the bytes the holder read, -1 when it could not
+   read its copy) and a payload of the planned size (the chunk's bytes at rest), with tags
+   unique to the transfer; both are posted at once at both ends, so transfers pipeline.
 4. **Trust nothing**: the receiver decodes and hashes what it got before writing it into its tier
    through the store's backend (and tells the tier's liveness). Bytes that do not match the hash
    are damage: journaled (``corrupt``, ``tier="peer"``), and that holder is not used again. The
@@ -167,8 +168,8 @@ class _Op:
     t: Transfer
     sending: bool
     header: torch.Tensor
+    payload: torch.Tensor
     works: list[Any] = field(default_factory=list)
-    payload: torch.Tensor | None = None
 
 
 def _run(
@@ -199,34 +200,51 @@ def _run(
             stats.sent_bytes += op.t.nbytes if int(op.header[0]) >= 0 else 0
             stats.sent_chunks += 1 if int(op.header[0]) >= 0 else 0
         else:
-            _finish_recv(group, store, op, stats, step, journal, outcome)
+            _finish_recv(store, op, stats, step, journal, outcome)
     return outcome
 
 
 def _post_send(group: Any, store: CheckpointStore, t: Transfer) -> _Op:
+    """The header says how many bytes the holder read (-1: it could not read its copy); the
+    payload always has the planned size, so the receiver posts both at once (pipelined)."""
+    payload = torch.empty(t.nbytes, dtype=torch.uint8)
     try:
-        data = store.backend.read(chunk_path(t.ref.hash, t.ref.codec))
+        n = store.backend.read_into(chunk_path(t.ref.hash, t.ref.codec), _view(payload))
     except (OSError, StorageError):
-        data = None
-    ok = data is not None and len(data) == t.nbytes
-    header = torch.tensor([t.nbytes if ok else -1], dtype=torch.int64)
-    op = _Op(t=t, sending=True, header=header)
-    op.works.append(dist.isend(header, group=group, group_dst=t.dst, tag=_tag(t, 0)))
-    if ok and data:
-        op.payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        op.works.append(dist.isend(op.payload, group=group, group_dst=t.dst, tag=_tag(t, 1)))
-    return op
+        n = -1
+    header = torch.tensor([n if n == t.nbytes else -1], dtype=torch.int64)
+    return _post(dist.isend, group, t, t.dst, header, payload, sending=True)
 
 
 def _post_recv(group: Any, t: Transfer) -> _Op:
     header = torch.zeros(1, dtype=torch.int64)
-    op = _Op(t=t, sending=False, header=header)
-    op.works.append(dist.irecv(header, group=group, group_src=t.src, tag=_tag(t, 0)))
+    payload = torch.empty(t.nbytes, dtype=torch.uint8)
+    return _post(dist.irecv, group, t, t.src, header, payload, sending=False)
+
+
+def _post(
+    fn: Any,
+    group: Any,
+    t: Transfer,
+    peer: int,
+    header: torch.Tensor,
+    payload: torch.Tensor,
+    *,
+    sending: bool,
+) -> _Op:
+    where = {"group_dst": peer} if sending else {"group_src": peer}
+    op = _Op(t=t, sending=sending, header=header, payload=payload)
+    op.works.append(fn(header, group=group, tag=_tag(t, 0), **where))
+    if t.nbytes:
+        op.works.append(fn(payload, group=group, tag=_tag(t, 1), **where))
     return op
 
 
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy())  # type: ignore[arg-type]
+
+
 def _finish_recv(
-    group: Any,
     store: CheckpointStore,
     op: _Op,
     stats: FetchStats,
@@ -235,15 +253,12 @@ def _finish_recv(
     outcome: dict[str, Any],
 ) -> None:
     t = op.t
-    op.works[0].wait()
-    n = int(op.header[0])
-    if n < 0:
+    for w in op.works:
+        w.wait()
+    if int(op.header[0]) < 0:
         outcome["declined"].append([t.ref.hash, t.src])
         return
-    payload = torch.empty(n, dtype=torch.uint8)
-    if n:
-        dist.recv(payload, group=group, group_src=t.src, tag=_tag(t, 1))
-    data = payload.numpy().tobytes()
+    data = _view(op.payload)
     try:
         _verify(t.ref, data, step)
     except CorruptCheckpointError as exc:
@@ -256,13 +271,13 @@ def _finish_recv(
         return
     ref = ChunkRef(hash=t.ref.hash, size=t.ref.size, codec=t.ref.codec, stored_size=written)
     store.liveness.added(ref)
-    stats.received_bytes += n
+    stats.received_bytes += t.nbytes
     stats.received_chunks += 1
-    stats.sources[t.src] = stats.sources.get(t.src, 0) + n
+    stats.sources[t.src] = stats.sources.get(t.src, 0) + t.nbytes
     outcome["done"].append(t.ref.hash)
 
 
-def _verify(ref: ChunkRef, data: bytes, step: int) -> None:
+def _verify(ref: ChunkRef, data: memoryview, step: int) -> None:
     if len(data) != stored_size(ref):
         raise CorruptCheckpointError(
             f"chunk {ref.hash} of step {step} arrived with {len(data)} bytes, expected "
@@ -270,7 +285,11 @@ def _verify(ref: ChunkRef, data: bytes, step: int) -> None:
             step=step,
             chunk=ref.hash,
         )
-    raw = codecs.decode(data, ref.codec, ref.size, chunk=ref.hash)
+    raw = (
+        data
+        if ref.codec == "raw"
+        else codecs.decode(bytes(data), ref.codec, ref.size, chunk=ref.hash)
+    )
     if len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash:
         raise CorruptCheckpointError(
             f"chunk {ref.hash} of step {step} arrived damaged: its content does not match its hash",

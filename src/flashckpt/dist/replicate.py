@@ -41,12 +41,13 @@ from typing import Any
 
 from flashckpt.dist.nodepromote import promote_round
 from flashckpt.dist.transfer import Exchange, ReplicationBroken, rank_chunks
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.policy.retention import RetentionPolicy
 from flashckpt.store import codec as codecs
 from flashckpt.store import safeopen
 from flashckpt.store.manifest import ChunkRef, Manifest
+from flashckpt.store.names import chunk_path
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class RoundResult:
     sent_bytes: int = 0
     failures: int = 0
     replicated: bool = False
+    transfer_s: float = 0.0  # this rank's chunk exchange (sending and receiving)
 
 
 @dataclass
@@ -262,13 +264,30 @@ class Replicator:
                 else:
                     written.append(ref.hash)
 
-            res.sent_bytes = self.exchange.chunks(
-                send, lambda r: store.read_chunk(r, step=step), recv, write
-            )
+            t0 = time.perf_counter()
+            res.sent_bytes = self.exchange.chunks(send, self._reader(step), recv, write)
+            res.transfer_s = time.perf_counter() - t0
             store.backend.sync_dirs(store.chunk_dirs(written))
         finally:
             pin.release()
         return res
+
+    def _reader(self, step: int) -> Any:
+        store = self.memory.store
+
+        def read(ref: ChunkRef, out: memoryview) -> None:
+            if ref.codec != "raw":
+                out[:] = store.read_chunk(ref, step=step)  # decoded (and verified)
+                return
+            n = store.backend.read_into(chunk_path(ref.hash, "raw"), out)  # the peer verifies
+            if n != ref.size:
+                raise CorruptCheckpointError(
+                    f"chunk {ref.hash} is truncated: {n} of {ref.size} bytes (step {step})",
+                    step=step,
+                    chunk=ref.hash,
+                )
+
+        return read
 
     def _store_replica(self, src: int, ref: ChunkRef, raw: memoryview, step: int) -> bool:
         if codecs.hash_parts([raw]) != ref.hash:

@@ -17,8 +17,9 @@ each of its ``sources``):
    memory at a time.
 3. Each received chunk is handed to ``write(source, ref, bytes)``, which verifies its hash.
 
-A chunk the sender cannot read is sent as zeros of the right size (the exchange stays in
-lockstep; the receiver's hash check fails it). Any gloo error or timeout raises
+The sender reads its chunks straight into the send buffer without hashing them again: the
+receiver's check is the one that counts. A chunk the sender cannot read is sent as zeros of the
+right size (the exchange stays in lockstep; the receiver's hash check fails it). Any gloo error or timeout raises
 :class:`ReplicationBroken`: the side group is unusable from then on.
 """
 
@@ -34,7 +35,7 @@ from flashckpt.store.manifest import ChunkRef, Manifest
 
 log = logging.getLogger(__name__)
 
-Read = Callable[[ChunkRef], Any]  # raw bytes of one own chunk (a buffer), verified
+Read = Callable[[ChunkRef, memoryview], None]  # fill the view with one own chunk's raw bytes
 Write = Callable[[int, ChunkRef, memoryview], None]
 
 
@@ -173,13 +174,15 @@ class Exchange:
 def _pack(refs: Sequence[ChunkRef], read: Read) -> Any:
     import torch
 
-    buf = torch.zeros(sum(r.size for r in refs), dtype=torch.uint8)
+    buf = torch.empty(sum(r.size for r in refs), dtype=torch.uint8)
     view = buf.numpy().data.cast("B")
     off = 0
     for ref in refs:
+        out = view[off : off + ref.size]
         try:
-            view[off : off + ref.size] = memoryview(read(ref)).cast("B")
-        except Exception as exc:  # stays zeros: the peer's hash check refuses it
+            read(ref, out)
+        except Exception as exc:  # zeros instead: the peer's hash check refuses them
             log.warning("replication cannot read own chunk %s: %s", ref.hash, exc)
+            out[:] = bytes(ref.size)
         off += ref.size
     return buf

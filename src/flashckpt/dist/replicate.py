@@ -20,8 +20,8 @@ queues the same steps, in the same order):
    ``status`` show) and rank 0 journals ``replicated`` (step, bytes, seconds); else rank 0
    journals ``replication_failed`` and nothing is recorded.
 
-Memory-tier retention (:class:`ReplicatedRetention`) keeps the newest N *replicated* steps plus
-the newer ones still in flight or among the newest N. A gloo error or timeout on the side group
+Memory-tier retention (:class:`ReplicatedRetention`) keeps the newest N *replicated* steps, the
+newest N steps, and the newer ones still in flight. A gloo error or timeout on the side group
 (a peer node died, hung, is unreachable) journals ``replication_failed`` and stops replication
 for good (gloo groups do not recover): the memory tier is then suspended for saves (rank 0 sends
 them to the disk tier; :class:`~flashckpt.engine.tiers.TierSet`), so checkpoints keep reaching a
@@ -79,9 +79,10 @@ def replicated_steps(tier: Path) -> set[int]:
 
 @dataclass(frozen=True)
 class ReplicatedRetention:
-    """``inner`` applied to the replicated steps, plus the newer steps still in flight or kept by
-    ``inner`` itself (bounded: at most twice ``inner``'s count plus two). Reads the replicator's
-    state, so unlike a plain policy it is not a pure function of ``steps``."""
+    """What ``inner`` keeps of the replicated steps, plus what it keeps of all steps, plus the
+    newer steps still in flight (bounded: twice ``inner``'s count plus two; never less than
+    ``inner`` alone). Reads the replicator's state, so unlike a plain policy it is not a pure
+    function of ``steps``."""
 
     inner: RetentionPolicy
     replicator: Replicator
@@ -90,9 +91,8 @@ class ReplicatedRetention:
         done = sorted(s for s in steps if s in self.replicator.replicated)
         kept = set(self.inner.keep(done)) if done else set()
         newest = done[-1] if done else -1
-        newer = [s for s in steps if s > newest]
-        kept |= set(newer) & (self.replicator.in_flight() | set(self.inner.keep(list(steps))))
-        return kept
+        flying = {s for s in steps if s > newest} & self.replicator.in_flight()
+        return kept | set(self.inner.keep(list(steps))) | flying
 
 
 @dataclass

@@ -8,8 +8,8 @@ own memory tier in /dev/shm, on gloo over 127.0.0.1.
 
 Part 1: one save of ``--size`` bytes per rank (8 per-rank tensors), timed from the replicator's
 chunk exchange (``RoundResult.transfer_s``: read, send, receive, verify, write), against
-``isend``/``irecv`` of the same byte count in the same batches (``inflight_bytes``) on a fresh
-gloo group.
+``isend``/``irecv`` of the same byte count in the same batches (half of ``inflight_bytes``)
+on a fresh gloo group.
 
 Part 2: a training loop (matmuls, ``--step-ms`` of work per step) saving asynchronously every
 ``--save-every`` steps; a step's time is compared between steps that ran while this rank's
@@ -87,7 +87,7 @@ def _throughput(rank: int, root: Path, shm: Path, nbytes: int) -> dict[str, Any]
         ck.save(1, state)
         ck._dist.replicator.drain()
         res = ck._dist.replicator.history[-1]
-        batch = ck._dist.replication.inflight_bytes
+        batch = ck._dist.replication.inflight_bytes // 2  # the replicator's batches
     raw_s = _raw_gloo(res.sent_bytes, batch, rank)
     return {"sent": res.sent_bytes, "repl_s": res.transfer_s, "raw_s": raw_s}
 

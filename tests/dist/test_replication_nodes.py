@@ -173,3 +173,38 @@ def test_a_node_that_cannot_publish_fails_the_step_on_every_node(
         assert 2 not in r["steps"] and 3 in r["steps"], "the next save works"
     for node in (0, 1):
         assert 2 not in CheckpointStore(LocalBackend(mem_dir / f"n{node}")).steps()
+
+
+def test_replication_options_are_checked() -> None:
+    assert Replication.of(0) is None and Replication.of(1) == Replication(replicas=1)
+    with pytest.raises(ConfigError, match="only replicas=0"):
+        Replication(replicas=2)
+    with pytest.raises(ConfigError, match="inflight_bytes"):
+        Replication(inflight_bytes=10)
+
+
+def test_replicas_without_torch_distributed_warns_and_saves(tmp_path: Path, mem_dir: Path) -> None:
+    with pytest.warns(RuntimeWarning, match="replicas=1 has no effect without torch.distributed"):
+        ck = Checkpointer(tmp_path / "ckpt", memory_tier=mem_dir, replicas=1, fsync=False)
+    with ck:
+        ck.save(1, {"x": torch.ones(3)})
+    assert CheckpointStore(LocalBackend(mem_dir)).steps() == [1]
+
+
+def one_node_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Checkpointer(root, memory_tier=mem, replicas=1, fsync=False, dist_timeout_s=30) as ck:
+            ck.save(1, {"x": torch.ones(3)})
+            node_local = ck._dist is not None and ck._dist.node_local
+    return {"warned": any("no other node" in str(w.message) for w in seen), "local": node_local}
+
+
+def test_replicas_on_one_node_warns_and_shares_the_memory_tier(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    results = ranks.ok(ranks(one_node_job, 2, tmp_path, str(tmp_path / "ckpt"), str(mem_dir)))
+    assert results == [{"warned": True, "local": False}] * 2
+    assert CheckpointStore(LocalBackend(mem_dir)).steps() == [1]

@@ -165,3 +165,49 @@ def test_a_peer_that_stops_answering_journals_replication_failed_and_saves_go_on
     assert failed and all(e["stopped"] for e in failed), failed
     assert {e["step"] for e in failed} == {2}
     assert not [e for e in read_events(root) if e["event"] == "replicated" and e["step"] != 1]
+
+
+def damaged_send_job(rank: int, world: int, root: str, shm: str) -> list[int]:
+    from flashckpt.dist import replicate
+
+    real = replicate.Replicator._reader
+    rounds = {"n": 0}
+
+    def reader(self: Any, step: int) -> Any:
+        read = real(self, step)
+        rounds["n"] += 1
+        if rank != 0 or rounds["n"] != 1:
+            return read
+
+        def flipped(ref: Any, out: memoryview) -> None:
+            read(ref, out)
+            out[0] ^= 0xFF  # a bit flipped on the way: the receiver must refuse it
+
+        return flipped
+
+    replicate.Replicator._reader = reader  # type: ignore[method-assign]
+    model = _model()
+    with _open(root, shm, rank, 1) as ck:
+        assert ck._dist is not None and ck._dist.replicator is not None
+        for step in (1, 2):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            ck.save(step, {"model": model})
+            ck._dist.replicator.drain()
+    return sorted(replicated_steps(Path(shm) / f"n{rank}"))
+
+
+def test_a_chunk_damaged_in_transit_is_refused_and_the_step_not_marked_replicated(
+    ranks: Any, tmp_path: Path, shm: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    results = ranks.ok(ranks(damaged_send_job, 2, tmp_path, str(root), str(shm)))
+    assert results == [[2], [2]], "step 1 is not replicated; the next round works"
+    failed = [e for e in read_events(root) if e["event"] == "replication_failed"]
+    assert [(e["step"], e["stopped"]) for e in failed] == [(1, False)], failed
+    n1 = CheckpointStore(LocalBackend(shm / "n1"))
+    held = set(n1.liveness.index())
+    refs = {r.hash: r for s in (1, 2) for r in n1.load_manifest(s).chunks if r.hash in held}
+    assert len(refs) > 4
+    for ref in refs.values():
+        n1.read_chunk(ref)  # raises CorruptCheckpointError on a damaged copy

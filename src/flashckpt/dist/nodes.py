@@ -118,7 +118,7 @@ class NodeMap:
             raise ConfigError(
                 f"the nodes run unequal numbers of ranks ({what}), so a ring of peers would "
                 "leave some ranks without a replica; start the same number of ranks per node, "
-                "or give Checkpointer(placement=...) to say which ranks share a node"
+                "or give replicas=Replication(placement=...) to say which ranks share a node"
             )
 
     def describe(self) -> str:

@@ -20,8 +20,8 @@ queues the same steps, in the same order):
    ``status`` show) and rank 0 journals ``replicated`` (step, bytes, seconds); else rank 0
    journals ``replication_failed`` and nothing is recorded.
 
-Memory-tier retention (:class:`ReplicatedRetention`) keeps the newest N *replicated* steps plus
-the newer ones still in flight or among the newest N. A gloo error or timeout on the side group
+Memory-tier retention (:class:`ReplicatedRetention`) keeps the newest N *replicated* steps, the
+newest N steps, and the newer ones still in flight. A gloo error or timeout on the side group
 (a peer node died, hung, is unreachable) journals ``replication_failed`` and stops replication
 for good (gloo groups do not recover): the memory tier is then suspended for saves (rank 0 sends
 them to the disk tier; :class:`~flashckpt.engine.tiers.TierSet`), so checkpoints keep reaching a
@@ -41,12 +41,13 @@ from typing import Any
 
 from flashckpt.dist.nodepromote import promote_round
 from flashckpt.dist.transfer import Exchange, ReplicationBroken, rank_chunks
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.policy.retention import RetentionPolicy
 from flashckpt.store import codec as codecs
 from flashckpt.store import safeopen
 from flashckpt.store.manifest import ChunkRef, Manifest
+from flashckpt.store.names import chunk_path
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,10 @@ def replicated_steps(tier: Path) -> set[int]:
 
 @dataclass(frozen=True)
 class ReplicatedRetention:
-    """``inner`` applied to the replicated steps, plus the newer steps still in flight or kept by
-    ``inner`` itself (bounded: at most twice ``inner``'s count plus two). Reads the replicator's
-    state, so unlike a plain policy it is not a pure function of ``steps``."""
+    """What ``inner`` keeps of the replicated steps, plus what it keeps of all steps, plus the
+    newer steps still in flight (bounded: twice ``inner``'s count plus two; never less than
+    ``inner`` alone). Reads the replicator's state, so unlike a plain policy it is not a pure
+    function of ``steps``."""
 
     inner: RetentionPolicy
     replicator: Replicator
@@ -89,9 +91,8 @@ class ReplicatedRetention:
         done = sorted(s for s in steps if s in self.replicator.replicated)
         kept = set(self.inner.keep(done)) if done else set()
         newest = done[-1] if done else -1
-        newer = [s for s in steps if s > newest]
-        kept |= set(newer) & (self.replicator.in_flight() | set(self.inner.keep(list(steps))))
-        return kept
+        flying = {s for s in steps if s > newest} & self.replicator.in_flight()
+        return kept | set(self.inner.keep(list(steps))) | flying
 
 
 @dataclass
@@ -100,6 +101,7 @@ class RoundResult:
     sent_bytes: int = 0
     failures: int = 0
     replicated: bool = False
+    transfer_s: float = 0.0  # this rank's chunk exchange (sending and receiving)
 
 
 @dataclass
@@ -262,13 +264,30 @@ class Replicator:
                 else:
                     written.append(ref.hash)
 
-            res.sent_bytes = self.exchange.chunks(
-                send, lambda r: store.read_chunk(r, step=step), recv, write
-            )
+            t0 = time.perf_counter()
+            res.sent_bytes = self.exchange.chunks(send, self._reader(step), recv, write)
+            res.transfer_s = time.perf_counter() - t0
             store.backend.sync_dirs(store.chunk_dirs(written))
         finally:
             pin.release()
         return res
+
+    def _reader(self, step: int) -> Any:
+        store = self.memory.store
+
+        def read(ref: ChunkRef, out: memoryview) -> None:
+            if ref.codec != "raw":
+                out[:] = store.read_chunk(ref, step=step)  # decoded (and verified)
+                return
+            n = store.backend.read_into(chunk_path(ref.hash, "raw"), out)  # the peer verifies
+            if n != ref.size:
+                raise CorruptCheckpointError(
+                    f"chunk {ref.hash} is truncated: {n} of {ref.size} bytes (step {step})",
+                    step=step,
+                    chunk=ref.hash,
+                )
+
+        return read
 
     def _store_replica(self, src: int, ref: ChunkRef, raw: memoryview, step: int) -> bool:
         if codecs.hash_parts([raw]) != ref.hash:

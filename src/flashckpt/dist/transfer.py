@@ -9,16 +9,17 @@ each of its ``sources``):
    and send a mask to each source (computed by the caller: which of its chunks this node
    lacks); wait for all. Unchanged chunks are never sent again: the peer's tier already holds
    them.
-2. **chunks**, in batches of at most ``inflight_bytes`` (at least one chunk) that both ends cut
-   the same way from the mask and the sizes: in iteration k every rank posts the receive of
-   batch k from each source, then sends its batch k to its peer, then waits for both. Every
-   transfer of iteration k is posted by both ends before either waits, so the ring cannot
-   deadlock, whatever the number of batches per pair; at most one batch per direction is in
-   memory at a time.
+2. **chunks**, in batches of at most half of ``inflight_bytes`` (at least one chunk) that both
+   ends cut the same way from the mask and the sizes: in iteration k every rank posts the
+   receive of batch k from each source and the send of its batch k to its peer, then handles
+   batch k-1 (step 3) while batch k travels, then waits for batch k. Every transfer of
+   iteration k is posted by both ends before either waits, so the ring cannot deadlock,
+   whatever the number of batches per pair; at most two batches per direction are in memory.
 3. Each received chunk is handed to ``write(source, ref, bytes)``, which verifies its hash.
 
-A chunk the sender cannot read is sent as zeros of the right size (the exchange stays in
-lockstep; the receiver's hash check fails it). Any gloo error or timeout raises
+The sender reads its chunks straight into the send buffer without hashing them again: the
+receiver's check is the one that counts. A chunk the sender cannot read is sent as zeros of the
+right size (the exchange stays in lockstep; the receiver's hash check fails it). Any gloo error or timeout raises
 :class:`ReplicationBroken`: the side group is unusable from then on.
 """
 
@@ -34,7 +35,7 @@ from flashckpt.store.manifest import ChunkRef, Manifest
 
 log = logging.getLogger(__name__)
 
-Read = Callable[[ChunkRef], Any]  # raw bytes of one own chunk (a buffer), verified
+Read = Callable[[ChunkRef, memoryview], None]  # fill the view with one own chunk's raw bytes
 Write = Callable[[int, ChunkRef, memoryview], None]
 
 
@@ -138,48 +139,67 @@ class Exchange:
         recv: dict[int, list[ChunkRef]],
         write: Write,
     ) -> int:
-        """Step 2-3; the raw bytes sent."""
+        """Steps 2-3; the raw bytes sent. Batch k is written while batch k+1 travels, so each
+        batch holds at most half of ``inflight_bytes``."""
+        limit = max(1, self.inflight_bytes // 2)
+        out = batches(send, limit)
+        ins = {src: batches(refs, limit) for src, refs in recv.items()}
+        rounds = max([len(out), *(len(b) for b in ins.values())], default=0)
+        sent = 0
+        arrived: list[tuple[int, list[ChunkRef], Any]] = []
+        for k in range(rounds):
+            works, bufs, nbytes = self._post(k, out, ins, read)
+            sent += nbytes
+            _unpack(arrived, write)  # batch k-1, while batch k is on its way
+            self._wait(works, f"transferring chunk batch {k + 1} of {rounds}")
+            arrived = bufs
+        _unpack(arrived, write)
+        return sent
+
+    def _post(
+        self, k: int, out: list[list[ChunkRef]], ins: dict[int, list[list[ChunkRef]]], read: Read
+    ) -> tuple[list[Any], list[tuple[int, list[ChunkRef], Any]], int]:
+        """Post the receives of batch ``k`` from every source, then its send to the peer."""
         import torch
         import torch.distributed as dist
 
-        out = batches(send, self.inflight_bytes)
-        ins = {src: batches(refs, self.inflight_bytes) for src, refs in recv.items()}
-        rounds = max([len(out), *(len(b) for b in ins.values())], default=0)
-        sent = 0
-        for k in range(rounds):
-            works, bufs = [], []
-            try:
-                for src, bs in ins.items():
-                    if k < len(bs):
-                        buf = torch.empty(sum(r.size for r in bs[k]), dtype=torch.uint8)
-                        bufs.append((src, bs[k], buf))
-                        works.append(dist.irecv(buf, group=self.group, group_src=src))
-                if k < len(out):
-                    payload = _pack(out[k], read)
-                    works.append(dist.isend(payload, group=self.group, group_dst=self.peer))
-                    sent += payload.numel()
-            except Exception as exc:
-                raise self._broken(f"posting chunk batch {k + 1}", exc) from exc
-            self._wait(works, f"transferring chunk batch {k + 1} of {rounds}")
-            for src, refs, buf in bufs:
-                view = buf.numpy().data.cast("B")
-                off = 0
-                for ref in refs:
-                    write(src, ref, view[off : off + ref.size])
-                    off += ref.size
-        return sent
+        works, bufs, sent = [], [], 0
+        try:
+            for src, bs in ins.items():
+                if k < len(bs):
+                    buf = torch.empty(sum(r.size for r in bs[k]), dtype=torch.uint8)
+                    bufs.append((src, bs[k], buf))
+                    works.append(dist.irecv(buf, group=self.group, group_src=src))
+            if k < len(out):
+                payload = _pack(out[k], read)
+                works.append(dist.isend(payload, group=self.group, group_dst=self.peer))
+                sent = payload.numel()
+        except Exception as exc:
+            raise self._broken(f"posting chunk batch {k + 1}", exc) from exc
+        return works, bufs, sent
+
+
+def _unpack(arrived: list[tuple[int, list[ChunkRef], Any]], write: Write) -> None:
+    for src, refs, buf in arrived:
+        view = buf.numpy().data.cast("B")
+        off = 0
+        for ref in refs:
+            write(src, ref, view[off : off + ref.size])
+            off += ref.size
 
 
 def _pack(refs: Sequence[ChunkRef], read: Read) -> Any:
     import torch
 
-    buf = torch.zeros(sum(r.size for r in refs), dtype=torch.uint8)
+    buf = torch.empty(sum(r.size for r in refs), dtype=torch.uint8)
     view = buf.numpy().data.cast("B")
     off = 0
     for ref in refs:
+        out = view[off : off + ref.size]
         try:
-            view[off : off + ref.size] = memoryview(read(ref)).cast("B")
-        except Exception as exc:  # stays zeros: the peer's hash check refuses it
+            read(ref, out)
+        except Exception as exc:  # zeros instead: the peer's hash check refuses them
             log.warning("replication cannot read own chunk %s: %s", ref.hash, exc)
+            out[:] = bytes(ref.size)
         off += ref.size
     return buf

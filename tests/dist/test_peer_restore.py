@@ -154,3 +154,50 @@ def test_a_node_lost_with_its_peer_restores_from_the_disk(
     for r in res:
         assert r["step"] == disk[-1] and r["bitwise"], r
         assert r["tiers"] == ["local"] and r["peer_bytes"] is None
+
+
+def fsdp_save_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
+    from test_reshard import build, snapshot, train
+
+    net, opt = build(world, seed=0)
+    train(net, opt, 2)
+    ck = Checkpointer(root, **_options(rank, mem, 1))
+    ck.save(2, {"model": net, "optim": opt}).wait(timeout=60)
+    if ck._dist is not None and ck._dist.replicator is not None:
+        ck._dist.replicator.drain()
+    return snapshot(net, opt)  # then vanish without closing (a crash)
+
+
+def fsdp_restore_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
+    from test_reshard import build, snapshot
+
+    net, opt = build(world, seed=5)  # other weights, empty optimizer state
+    with Checkpointer(root, **_options(rank, mem, 1)) as ck:
+        step = ck.restore({"model": net, "optim": opt})
+    peers = [
+        e
+        for e in read_events(Path(root))
+        if e["event"] == "restored_from_peers" and e.get("rank") == rank
+    ]
+    return {"step": step, "state": snapshot(net, opt), "peer": bool(peers)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(a == b)
+
+
+def test_fsdp2_shards_of_a_lost_node_come_back_from_its_peer(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    saved = _run(ranks, tmp_path, fsdp_save_job, 2, str(root), str(mem_dir))
+    shutil.rmtree(mem_dir / "n1")
+    with disk_chunks_hidden(root):
+        res = _run(ranks, tmp_path, fsdp_restore_job, 2, str(root), str(mem_dir))
+    for r in res:
+        assert r["step"] == 2 and r["peer"]
+        assert _equal(r["state"], saved[0]), "model shards and optimizer state, bitwise"

@@ -81,8 +81,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     held = list_tiers(args.root, memory_tier=args.memory_tier, remote=args.remote)
     rows = [("step", "time", "tensors", "size", "new", "reused", "tiers")]
+    replicated = _replicated(held)
     for step, holders in sorted(held.items()):
         names = ",".join(name for name, _ in holders)
+        names += " (replicated)" if step in replicated else ""  # on a peer node's memory too
         try:
             m = holders[0][1].load_manifest(step)
         except NoCheckpointError:
@@ -109,6 +111,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     _table(rows)
     return 0
+
+
+def _replicated(held: dict[int, list[tuple[str, CheckpointStore]]]) -> set[int]:
+    """Steps the memory tier (under peer replication) records as held by a peer node too."""
+    from flashckpt.dist.replicate import replicated_steps
+
+    for holders in held.values():
+        for name, store in holders:
+            root = getattr(store.backend, "root", None)
+            if name == "memory" and root is not None:
+                return replicated_steps(Path(root))
+    return set()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

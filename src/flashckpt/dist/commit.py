@@ -18,6 +18,20 @@ Numbered script of one distributed save (phases of :mod:`flashckpt.dist.attempt`
    an older checkpoint -- and barrier ``retain`` lets the others go on (gc never races their next
    save's chunks).
 
+**Node-local memory tier** (``replicas=1``: each node has its own memory tier, rank 0 cannot
+read the other nodes' parts). Steps 3-6 become:
+
+3'. Each rank writes its part in its node's tier (it keeps its chunks referenced there) and
+    posts it in the Store (``<barrier>/part/<rank>``); barrier ``save`` as above.
+4'. Rank 0 reads the parts from the Store, merges and validates them and posts the merged
+    manifest (``<barrier>/merged``); barrier ``merge`` carries its error, if any.
+5'. Every node's local leader writes the same ``steps/<step>.json`` into its node's tier (the
+    chunks of other nodes' ranks are absent there: normal for a node-local tier, until peer
+    replication brings those of its source ranks); barrier ``publish``. If any leader failed or
+    a rank timed out, every leader that wrote the manifest deletes it again; each rank deletes
+    its own part once the manifest is published.
+6'. Every local leader applies its node tier's retention and gc; barrier ``retain``.
+
 After a failure the parts are deleted from every tier and rank 0 collects the chunks nothing
 references while the others wait (barrier ``cleanup``). If a rank is missing (timeout) each rank
 deletes only its own part and the chunks are left to the next garbage collection.
@@ -31,9 +45,10 @@ from typing import Any
 
 from flashckpt.dist.attempt import SaveAttempt, describe
 from flashckpt.dist.merge import merge_parts
+from flashckpt.dist.nodes import NodeMap
 from flashckpt.engine.save import SaveJob
 from flashckpt.errors import DistributedError, FlashCkptError
-from flashckpt.store.manifest import Manifest
+from flashckpt.store.manifest import Manifest, parse_manifest
 from flashckpt.store.store import CheckpointStore, part_name
 
 log = logging.getLogger(__name__)
@@ -48,6 +63,8 @@ class DistSaveJob(SaveJob):
         attempt: SaveAttempt,
         per_rank: list[str],
         retain: Callable[[], None] | None,
+        nodes: NodeMap | None = None,
+        published: Callable[[Manifest], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(committer=self._commit, **kwargs)
@@ -55,6 +72,11 @@ class DistSaveJob(SaveJob):
         self.dist = attempt.dist
         self.per_rank = per_rank
         self.retain = retain
+        # node-local memory tier (replicas=1): every node leader publishes into its own tier
+        self.nodes = (
+            nodes if nodes is not None and getattr(self.tier, "node_local", False) else None
+        )
+        self.published = published  # told of this rank's part once the step is published
 
     def build_manifest(self) -> Manifest:
         m = super().build_manifest()
@@ -62,6 +84,9 @@ class DistSaveJob(SaveJob):
         return m
 
     def _commit(self, manifest: Manifest, chunk_dirs: list[str]) -> None:
+        if self.nodes is not None:
+            self._commit_node_local(manifest, chunk_dirs, self.nodes)
+            return
         step, rank, store = manifest.step, self.dist.rank, self.ctx.store
         error = None
         try:
@@ -85,9 +110,51 @@ class DistSaveJob(SaveJob):
             raise
         self._retain()
 
-    def _retain(self) -> None:
+    def _commit_node_local(self, manifest: Manifest, chunk_dirs: list[str], nodes: NodeMap) -> None:
+        """Steps 3'-6' of the module docstring."""
+        step, rank, store = manifest.step, self.dist.rank, self.ctx.store
+        keys = _Keys(self.attempt.barrier.prefix, self.dist.world_size)
         error = None
-        if self.dist.rank == 0 and self.retain is not None:
+        try:
+            store.commit(manifest, chunk_dirs=chunk_dirs, name=part_name(step, rank))
+            self.release_pins()  # the part names our chunks in this node's tier
+            self.dist.store.set(keys.part(rank), manifest.to_json())
+        except Exception as exc:
+            error = describe("writing its part", exc)
+        cleanup = self.attempt.barrier.cleanup if rank == 0 else []  # deleted by the leader
+        try:  # once the next phase is full: parts after merge, the merged one after publish
+            self.attempt.agree("save", error)
+        finally:
+            cleanup.extend(keys.parts())
+        if rank == 0:
+            error = _merge_in_store(self.dist.store, keys, step)
+        try:
+            self.attempt.agree("merge", error)
+        finally:
+            cleanup.append(keys.merged)
+        published = False
+        if nodes.is_leader(rank):
+            try:
+                merged = self.dist.store.get(keys.merged)
+                _publish_merged(store, step, bytes(merged))
+                published = True
+            except Exception as exc:
+                error = describe("publishing the manifest in its node's tier", exc)
+        try:
+            self.attempt.agree("publish", error)
+        except DistributedError:
+            if published:  # another node failed or timed out: nobody believes in this step
+                store.delete_step(step)
+            raise
+        _delete_part(store, part_name(step, rank))
+        if self.published is not None:
+            self.published(manifest)
+        self._retain(leader=nodes.is_leader(rank))
+
+    def _retain(self, *, leader: bool | None = None) -> None:
+        error = None
+        leader = self.dist.rank == 0 if leader is None else leader
+        if leader and self.retain is not None:
             try:
                 self.retain()
             except FlashCkptError as exc:
@@ -117,3 +184,53 @@ def publish(store: CheckpointStore, step: int, world_size: int) -> None:
             store.backend.delete(part_name(step, r))
         except OSError as exc:
             log.warning("could not delete part %s: %s", part_name(step, r), exc)
+
+
+class _Keys:
+    """Store keys of a node-local commit, under the save attempt's barrier prefix."""
+
+    def __init__(self, prefix: str, world_size: int) -> None:
+        self.prefix = prefix
+        self.world_size = world_size
+        self.merged = f"{prefix}/merged"
+
+    def part(self, rank: int) -> str:
+        return f"{self.prefix}/part/{rank}"
+
+    def parts(self) -> list[str]:
+        return [self.part(r) for r in range(self.world_size)]
+
+
+def _merge_in_store(kv: Any, keys: _Keys, step: int) -> str | None:
+    """Rank 0: merge the parts posted in the Store and post the manifest; the error, if any."""
+    try:
+        raws = kv.multi_get(keys.parts())
+        parts = [
+            parse_manifest(bytes(raw), where=f"part of rank {r} (Store)", whole=False)
+            for r, raw in enumerate(raws)
+        ]
+        kv.set(keys.merged, merge_parts(parts, step=step).to_json())
+    except Exception as exc:
+        return describe("merging the parts", exc)
+    return None
+
+
+def _publish_merged(store: CheckpointStore, step: int, raw: bytes) -> None:
+    """A node leader: commit rank 0's merged manifest in this node's tier."""
+    manifest = parse_manifest(raw, where=f"merged manifest of step {step} (Store)")
+    if manifest.step != step:
+        raise DistributedError(
+            f"the merged manifest is for step {manifest.step}, expected {step}",
+            phase="publish",
+            ranks=[0],
+        )
+    store.commit(manifest, chunk_dirs=[])
+
+
+def _delete_part(store: CheckpointStore, name: str) -> None:
+    try:
+        store.backend.delete(name)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete part %s: %s", name, exc)

@@ -10,6 +10,10 @@
    Otherwise every rank raises the same ``DistributedError`` (phase ``restore``) naming the
    failing ranks and their errors (a failing rank's own exception is its ``__cause__``).
 
+With peer replication the memory tier is node-local: before step 1's candidates are tried from
+the disk and remote tiers, the ranks try to restore from the memory tiers of the nodes
+(:mod:`flashckpt.dist.peerrestore`); the disk path then tries only the steps every rank can see.
+
 Per-rank state on a world-size change: rank ``r`` gets ``rank_trees[str(r)]`` when the saving job
 had that rank, else rank 0's per-rank state, with a warning (the RNG and data position of ranks
 that no longer exist cannot be resumed exactly; ``ResumableSampler`` re-stripes the remaining
@@ -27,6 +31,7 @@ import torch
 
 from flashckpt.dist.barrier import StoreBarrier
 from flashckpt.dist.context import DistContext
+from flashckpt.dist.peerrestore import PeerSource, restore_from_peers
 from flashckpt.errors import CorruptCheckpointError, DistributedError, FlashCkptError, StorageError
 from flashckpt.state.dtensor import is_dtensor
 from flashckpt.store.store import CheckpointStore
@@ -43,16 +48,28 @@ def restore_agreed(
     load: Callable[[int], Any],
     on_corrupt: Callable[[int, str], None],
     state: Mapping[str, Any] | None = None,
+    peer: PeerSource | None = None,
 ) -> int | None:
     """Load the same step on every rank (see the module docstring); returns it, or None.
 
     Optimizers in ``state`` are given their sharded state just before the first load, and put
-    back exactly as they were when nothing gets loaded (:class:`OptimizerInit`)."""
+    back exactly as they were when nothing gets loaded (:class:`OptimizerInit`). ``peer``: this
+    rank's node-local memory tier under peer replication (``load`` then reads only the slower
+    tiers)."""
     barrier = dist.barrier("restore", "any" if step is None else step)
     init = OptimizerInit(state or {})
     loaded = None
     try:
-        loaded = _agree_and_load(barrier, dist, store, step, steps, load, on_corrupt, init)
+        mine = [step] if step is not None else sorted(steps, reverse=True)
+        values = barrier.exchange("candidates", {"ok": True, "steps": mine, "peer": bool(peer)})
+        node_local = all(v.get("peer") for v in values)
+        if peer is not None and node_local:
+            loaded = restore_from_peers(
+                barrier, dist.rank, peer, step, values, init.apply, state or {}
+            )
+        if loaded is None:
+            cands = _common(values) if node_local else list(values[0]["steps"])
+            loaded = _agree_and_load(barrier, dist, store, step, cands, load, on_corrupt, init)
         return loaded
     finally:
         if loaded is None:
@@ -65,14 +82,12 @@ def _agree_and_load(
     dist: DistContext,
     store: CheckpointStore,
     step: int | None,
-    steps: list[int],
+    candidates: list[int],
     load: Callable[[int], Any],
     on_corrupt: Callable[[int, str], None],
     init: OptimizerInit,
 ) -> int | None:
-    mine = [step] if step is not None else sorted(steps, reverse=True)
-    values = barrier.exchange("candidates", {"ok": True, "steps": mine})
-    for cand in values[0]["steps"]:
+    for cand in candidates:
         local: BaseException | None = None
         try:
             init.apply()
@@ -101,6 +116,12 @@ def _agree_and_load(
         )
         raise err from local
     return None
+
+
+def _common(values: list[dict[str, Any]]) -> list[int]:
+    """Rank 0's candidates that every rank can see (node-local memory tiers differ by node)."""
+    seen = [{int(s) for s in v["steps"]} for v in values]
+    return [int(s) for s in values[0]["steps"] if all(int(s) in mine for mine in seen)]
 
 
 def _warn_world_size(dist: DistContext, store: CheckpointStore, step: int) -> None:

@@ -11,36 +11,72 @@
 4. ``job(...)`` instead of building a plain ``SaveJob``: the job commits with the distributed
    protocol (:mod:`flashckpt.dist.commit`);
 5. ``restore(...)`` from ``restore()``: all ranks agree on the step (:mod:`flashckpt.dist.restore`).
+
+With peer replication (``replicas=1``, :class:`~flashckpt.engine.options.Replication`) it also
+knows every rank's node (:attr:`nodes`, :mod:`flashckpt.dist.nodes`), owns the gloo *side group*
+used only for replication traffic (:attr:`side_group`, created collectively in :meth:`detect`)
+and the replication thread (:meth:`start` after the tiers exist, :meth:`stop` at close). The
+memory tier is then node-local: each node's leader publishes the global manifest into it
+(:mod:`flashckpt.dist.commit`) and applies its retention.
+
+**Using the side group from another thread** (restore-time chunk fetches on the training
+thread): enter ``with runtime.side_channel() as group:``. It waits until the replication thread
+has finished every step queued so far (all ranks queue the same steps, so on every rank the
+group is then idle), keeps it from starting another round until the block ends, and yields the
+group (None when replication is off or the group failed). Every rank must enter it, in the same
+order as its other collectives on the group.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from flashckpt.dist.attempt import SaveAttempt
 from flashckpt.dist.commit import DistSaveJob
 from flashckpt.dist.context import DistContext
+from flashckpt.dist.nodes import NodeMap, gather_nodes
 from flashckpt.dist.ownership import split_for_rank
+from flashckpt.dist.peerrestore import peer_source
 from flashckpt.dist.restore import restore_agreed
 from flashckpt.dist.shared import check_shared
+from flashckpt.engine.options import Replication
 from flashckpt.errors import ConfigError
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
+from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
-
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 class DistRuntime:
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(
+        self,
+        ctx: DistContext,
+        *,
+        replication: Replication | None = None,
+        nodes: NodeMap | None = None,
+        side_group: Any = None,
+    ) -> None:
         self.ctx = ctx
         self._per_rank: list[str] = []
         self._decided: tuple[int, str] | None = None
         self._attempt: SaveAttempt | None = None
+        self.replication = replication  # None: off (or every rank on one node)
+        self.nodes = nodes
+        self.side_group = side_group  # gloo, replication traffic only (module docstring)
+        self.side_lock = threading.RLock()  # held by a replication round or a side_channel()
+        self.replicator: Any = None  # dist.replicate.Replicator once start() ran
+        self._tiers: Any = None
 
     @classmethod
     def detect(
@@ -51,18 +87,41 @@ class DistRuntime:
         on_busy: str = "wait",
         root: str | os.PathLike[str] = "",
         name: str | None = None,
+        replication: Replication | None = None,
     ) -> DistRuntime | None:
         ctx = DistContext.detect(
             process_group=process_group, timeout_s=timeout_s, root=str(root), name=name
         )
         if ctx is None:
+            if replication is not None:
+                warnings.warn(
+                    "replicas=1 has no effect without torch.distributed (one process, one "
+                    "node): the memory tier is not replicated",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return None
         if on_busy == "skip":
             raise ConfigError(
                 "on_busy='skip' cannot be used under torch.distributed: ranks could skip "
                 "different steps and wait for each other; use on_busy='wait'"
             )
-        return cls(ctx)
+        if replication is None:
+            return cls(ctx)
+        nodes = gather_nodes(ctx, replication.placement)
+        if not nodes.multi_node:
+            warnings.warn(
+                f"replicas=1: every rank runs on node {nodes.nodes[0]!r}, so there is no other "
+                "node to keep a replica; the memory tier is shared by the ranks as without "
+                "replication (give Replication(placement=...) if the nodes were told apart "
+                "wrongly)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return cls(ctx)
+        nodes.check_ring()  # the same NodeMap on every rank: they all raise or none does
+        group = _side_group(process_group, replication.timeout_s)
+        return cls(ctx, replication=replication, nodes=nodes, side_group=group)
 
     @property
     def rank(self) -> int:
@@ -77,9 +136,46 @@ class DistRuntime:
         return f"rank-{self.ctx.rank}"
 
     def check_shared(self, dirs: Mapping[str, Path]) -> None:
-        """Every rank must see the same directory for each local tier (``{tier: dir}``);
-        see :func:`flashckpt.dist.shared.check_shared`."""
-        check_shared(self.ctx, dirs)
+        """Every rank must see the same directory for each local tier (``{tier: dir}``), but
+        the memory tier under replication only within its node; see
+        :func:`flashckpt.dist.shared.check_shared`."""
+        check_shared(self.ctx, dirs, self.nodes if self.replication is not None else None)
+
+    # -- replication --------------------------------------------------------------------------
+    @property
+    def node_local(self) -> bool:
+        """True when the memory tier is node-local (replication on, several nodes)."""
+        return self.replication is not None and self.nodes is not None
+
+    def start(self, tiers: Any, journal: Journal) -> None:
+        """After the tiers exist (``TierSet``): mark the memory tier node-local and start the
+        replication thread (:mod:`flashckpt.dist.replicate`)."""
+        self._tiers = tiers
+        mem = tiers.by_name("memory")
+        if not self.node_local or mem is None:
+            return
+        from flashckpt.dist.replicate import Replicator
+
+        mem.node_local = True
+        tiers.write_config()  # records node_local for ls / verify
+        self.replicator = Replicator(self, tiers=tiers, memory=mem, journal=journal)
+        mem.keep = self.replicator.retention(mem.keep)
+
+    def stop(self) -> None:
+        """Finish the replication round in progress (bounded) and stop the thread."""
+        if self.replicator is not None:
+            self.replicator.stop()
+
+    @contextmanager
+    def side_channel(self) -> Iterator[Any]:
+        """The side group for the training thread; see the module docstring."""
+        if self.replicator is not None:
+            self.replicator.drain()
+        with self.side_lock:
+            group = self.side_group
+            if self.replicator is not None and self.replicator.broken:
+                group = None
+            yield group
 
     def verdict(self, step: int, *, stop: bool, save: Callable[[], bool]) -> str:
         """What every rank does after ``step``: "preempt" when rank 0 was signalled (``stop``
@@ -147,7 +243,21 @@ class DistRuntime:
 
     def job(self, *, retain: Callable[[], None] | None, **kwargs: Any) -> DistSaveJob:
         attempt = self._require_attempt()
-        job = DistSaveJob(attempt=attempt, per_rank=self._per_rank, retain=retain, **kwargs)
+        tier = kwargs.get("tier")
+        published: Callable[[Manifest], None] | None = None
+        if self.node_local and getattr(tier, "node_local", False):
+            # each node leader trims its own tier; the replicator promotes to the disk tier
+            retain = (lambda: self._tiers.retain(tier)) if self._tiers is not None else None
+            if self.replicator is not None:
+                published = self.replicator.published
+        job = DistSaveJob(
+            attempt=attempt,
+            per_rank=self._per_rank,
+            retain=retain,
+            nodes=self.nodes,
+            published=published,
+            **kwargs,
+        )
         self._attempt = None  # from here on the job posts its failures
         return job
 
@@ -165,14 +275,48 @@ class DistRuntime:
         step: int | None,
         steps: list[int],
         load: Callable[[int], Any],
+        load_tier: Callable[[int, Any], None] | None = None,
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);
-        ``load(step)`` loads one step into ``state`` on this rank."""
+        ``load(step)`` loads one step into ``state`` on this rank, ``load_tier(step, tier)``
+        from one tier (a node-local memory tier first restores from peers: dist/peerrestore)."""
 
         def on_corrupt(cand: int, msg: str) -> None:
             warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
             journal.append("corrupt", step=cand, tier="local", error=msg)
 
+        peer = None
+        if self.node_local and self.nodes is not None and load_tier is not None:
+            found = peer_source(
+                tiers=self._tiers,
+                leader=self.nodes.is_leader(self.rank),
+                channel=self.side_channel,
+                journal=journal,
+                load_tier=load_tier,
+                broken=getattr(self.replicator, "_broke", None),  # dist/replicate.py
+            )
+            if found is not None:
+                peer, load = found
         return restore_agreed(
-            self.ctx, store, step=step, steps=steps, load=load, on_corrupt=on_corrupt, state=state
+            self.ctx,
+            store,
+            step=step,
+            steps=steps,
+            load=load,
+            on_corrupt=on_corrupt,
+            state=state,
+            peer=peer,
         )
+
+
+def _side_group(process_group: Any, timeout_s: float) -> Any:
+    """A new gloo group over the ranks of ``process_group`` (all ranks call this together)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if process_group is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    ranks = dist.get_process_group_ranks(process_group)
+    return dist.new_group(
+        ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+    )

@@ -29,7 +29,7 @@ from flashckpt.engine.inflight import InFlight
 from flashckpt.engine.lifecycle import RunMarker
 from flashckpt.engine.load import Attempt, restore_from_tiers
 from flashckpt.engine.meter import RunMeter
-from flashckpt.engine.options import Options, check_step
+from flashckpt.engine.options import Options, Replication, check_step
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
 from flashckpt.engine.save import SaveJob
@@ -87,6 +87,7 @@ class Checkpointer:
         emergency_save: EmergencySave | None = None,
         process_group: Any = None,
         dist_timeout_s: float = 300.0,
+        replicas: int | Replication = 0,
     ) -> None:
         self._closed = True  # until __init__ succeeds: close() and the exit hook do nothing
         self.options = Options.build(
@@ -107,7 +108,11 @@ class Checkpointer:
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
-            process_group=process_group, timeout_s=dist_timeout_s, on_busy=on_busy, root=self.root
+            process_group=process_group,
+            timeout_s=dist_timeout_s,
+            on_busy=on_busy,
+            root=self.root,
+            replication=Replication.of(replicas),  # peer copies of the memory tier
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
@@ -144,6 +149,9 @@ class Checkpointer:
                 extra_pins=self._inflight.pinned,
             )
             undo.callback(self._tiers.promoter.stop)
+            if self._dist is not None:  # the replication thread (dist/replicate.py)
+                self._dist.start(self._tiers, self.journal)
+                undo.callback(self._dist.stop)
             self._start_runtime(incremental)
             undo.callback(self._stop_threads)
             self._marker = RunMarker(
@@ -202,6 +210,8 @@ class Checkpointer:
             self._wait_current()
         finally:
             self._stop_threads()
+            if self._dist is not None:
+                self._dist.stop()
             p = self._preempt
             preempted = p is not None and p.signal_t is not None
             timeout_s = p.time_left() if p and preempted else self._promotion.close_timeout_s

@@ -195,6 +195,7 @@ def restore_from_tiers(
         step=step,
         steps=sorted(holders),
         load=lambda s: tiers.restore(s, holders.get(s, []), partial(load, s)),
+        load_tier=load,
     )
     if got is None and attempt.touched is not None:
         raise attempt.fail()

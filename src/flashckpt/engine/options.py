@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashckpt.errors import ConfigError
@@ -64,6 +65,50 @@ class Options:
     @property
     def readers(self) -> int:
         return self.read_workers or max(2, min(8, (os.cpu_count() or 2) * 2))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replication:
+    """Peer replication of a node-local memory tier (``Checkpointer(replicas=...)``).
+
+    ``replicas``: copies of each rank's memory-tier checkpoint kept on other nodes (0: none;
+    1: one peer, a ring over the nodes). ``placement``: ``placement(rank) -> node name`` when
+    torchrun's ``GROUP_RANK`` or the host name does not tell the nodes apart. ``inflight_bytes``:
+    the most chunk bytes one rank has in flight to its peer (and from its source) at once.
+    ``timeout_s``: how long the side group's send/receive may wait for a peer before the
+    replication is given up (``replication_failed``; gloo groups do not recover).
+    """
+
+    replicas: int = 1
+    placement: Callable[[int], str] | None = None
+    inflight_bytes: int = 64 << 20
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool):
+            raise ConfigError(f"replicas must be 0 or 1, got {self.replicas!r}")
+        if self.replicas not in (0, 1):
+            raise ConfigError(
+                f"replicas={self.replicas}: only replicas=0 (none) or 1 (one peer on another "
+                "node) are supported"
+            )
+        if self.placement is not None and not callable(self.placement):
+            raise ConfigError("placement must be a function placement(rank) -> node name")
+        if not isinstance(self.inflight_bytes, int) or self.inflight_bytes < 1 << 16:
+            raise ConfigError("Replication.inflight_bytes must be an int of at least 64KiB")
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ConfigError(f"Replication.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @classmethod
+    def of(
+        cls, replicas: int | Replication | None, placement: Callable[[int], str] | None = None
+    ) -> Replication | None:
+        """``replicas=`` as given to the Checkpointer; None when replication is off."""
+        if isinstance(replicas, Replication):
+            rep = replicas
+        else:
+            rep = cls(replicas=0 if replicas is None else replicas, placement=placement)
+        return rep if rep.replicas > 0 else None
 
 
 MAX_STEP = 10**15 - 1

@@ -58,6 +58,10 @@ class Tier:
     # remote tiers whose root id could not be checked at start (unreachable): checked before
     # the first promotion writes to them (a failure there is retried like the copy)
     unclaimed: Callable[[], None] | None = field(default=None, repr=False)
+    # a memory tier of one node under peer replication (dist/): holds the chunks of its node's
+    # ranks and replicas only, so it is never promoted from here (dist/replicate.py promotes)
+    node_local: bool = False
+    suspended: str | None = None  # why saves skip this tier now (replication stopped)
 
     def claim(self) -> None:
         if self.unclaimed is not None:
@@ -150,6 +154,13 @@ def _add_tiers(
     tiers.append(Tier(name="local", store=local, keep=keep, path=local_root))
 
 
+def _config_entry(tier: Tier) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": tier.name, "url": public_url(tier.url)}
+    if tier.node_local:  # holds its node's chunks (and replicas) only: verify/ls must know
+        entry["node_local"] = True
+    return entry
+
+
 class TierSet:
     """The tiers of one Checkpointer, their pins, and the promoter."""
 
@@ -173,7 +184,7 @@ class TierSet:
             after=self.retain,
             release=self.release,
         )
-        self._write_config()
+        self.write_config()
 
     @property
     def fastest(self) -> Tier:
@@ -182,14 +193,14 @@ class TierSet:
     def by_name(self, name: str) -> Tier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
-    def _write_config(self) -> None:
+    def write_config(self) -> None:
         """Record the tiers and the root id in every local tier (no link is followed)."""
         local = self.by_name("local")
         rid = tierid.ensure_root_id(local.path) if local and local.path else None
         doc = {
             "version": 1,
             "root_id": rid,
-            "tiers": [{"name": t.name, "url": public_url(t.url)} for t in self.tiers],
+            "tiers": [_config_entry(t) for t in self.tiers],
         }
         data = json.dumps(doc, indent=1).encode()
         for t in self.tiers:
@@ -215,6 +226,8 @@ class TierSet:
         first = self.fastest
         if first.name != "memory" or first.path is None:
             return first
+        if first.suspended is not None and len(self.tiers) > 1:
+            return self.tiers[1]  # a node-local tier nobody replicates any more: disk instead
         free = shutil.disk_usage(first.path).free
         needed = nbytes + max(SPACE_MARGIN_BYTES, nbytes // 20)
         if free >= needed:
@@ -240,7 +253,7 @@ class TierSet:
     def committed(self, step: int, tier: Tier, manifest: Manifest | None = None) -> None:
         """A step is durable in ``tier``: queue its promotion to the slower tiers."""
         slower = self.tiers[self.tiers.index(tier) + 1 :]
-        if not slower:
+        if not slower or tier.node_local:
             return
         m = manifest if manifest is not None else tier.store.load_manifest(step)
         pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)

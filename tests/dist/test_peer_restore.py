@@ -1,0 +1,203 @@
+"""Restore from the memory tiers of other nodes, through the public API (``replicas=1``), on
+forked gloo ranks whose nodes are told apart by ``Replication(placement=...)``; each node has its
+own memory-tier directory. The disk tier's ``chunks/`` is hidden during the restore, so any read
+of a disk chunk fails: a restore that still loads the newest step bitwise read none.
+(tests/dist/test_peer_restore_nodes.py does the same with real torchrun nodes and SIGKILL.)"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flashckpt import Checkpointer
+from flashckpt.engine.options import Replication
+from flashckpt.journal import read_events
+
+pytestmark = pytest.mark.dist
+
+STEPS = (1, 2, 3)
+
+
+@pytest.fixture
+def mem_dir(tmp_path: Path) -> Iterator[Path]:
+    base = Path("/dev/shm")
+    d = base / f"flashckpt-peer-{uuid.uuid4().hex[:12]}" if base.is_dir() else tmp_path / "shm"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def train_state(rank: int, step: int) -> dict[str, Any]:
+    """The state after ``step``: a model identical on every rank (DDP-style: each tensor written
+    once, by its owner rank) and a per-rank entry (saved by every rank)."""
+    torch.manual_seed(1000 + step)
+    model = nn.Sequential(*[nn.Linear(48, 48) for _ in range(4)])
+    g = torch.Generator().manual_seed(rank * 100 + step)
+    data = {"pos": torch.tensor(rank * 1000 + step), "noise": torch.randn(2000, generator=g)}
+    return {"model": model, "data": data}
+
+
+def flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in state["model"].state_dict().items()}
+    out.update({f"data.{k}": v for k, v in state["data"].items()})
+    return out
+
+
+def _options(rank: int, mem: str, per_node: int) -> dict[str, Any]:
+    node = rank // per_node
+    return {
+        "memory_tier": f"{mem}/n{node}",
+        "replicas": Replication(placement=lambda r: f"n{r // per_node}", timeout_s=30),
+        "fsync": False,
+        "dist_timeout_s": 30,
+        "chunk_size": "16KiB",
+    }
+
+
+def save_job(rank: int, world: int, root: str, mem: str, per_node: int) -> int:
+    """Save every step, wait until replicated, then vanish without closing (a crash)."""
+    ck = Checkpointer(root, **_options(rank, mem, per_node))
+    for step in STEPS:
+        ck.save(step, train_state(rank, step)).durable.result(timeout=60)
+    if ck._dist is not None and ck._dist.replicator is not None:
+        ck._dist.replicator.drain()
+    return STEPS[-1]
+
+
+def restore_job(rank: int, world: int, root: str, mem: str, per_node: int) -> dict[str, Any]:
+    with Checkpointer(root, **_options(rank, mem, per_node)) as ck:
+        state = train_state(rank, 0)  # different values everywhere
+        got = ck.restore(state)
+    want = flat(train_state(rank, got)) if got is not None else {}
+    have = flat(state)
+    events = [e for e in read_events(Path(root)) if e.get("rank") == rank]
+    peers = [e for e in events if e["event"] == "restored_from_peers"]
+    return {
+        "step": got,
+        "bitwise": bool(want) and all(torch.equal(want[k], have[k]) for k in want),
+        "peer_bytes": peers[-1]["bytes"] if peers else None,
+        "tiers": [e["tier"] for e in events if e["event"] == "restore"],
+    }
+
+
+@contextmanager
+def disk_chunks_hidden(root: Path) -> Iterator[None]:
+    """Any read of a disk-tier chunk fails while inside (the directory is moved away)."""
+    chunks, hidden = root / "chunks", root / "chunks.hidden"
+    if chunks.exists():
+        chunks.rename(hidden)
+    else:
+        hidden.mkdir(parents=True)
+    try:
+        yield
+    finally:
+        if chunks.exists():  # written while hidden: keep both
+            for f in chunks.rglob("*"):
+                if f.is_file():
+                    dst = hidden / f.relative_to(chunks)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    f.rename(dst)
+            shutil.rmtree(chunks)
+        hidden.rename(chunks)
+
+
+def _run(ranks: Any, tmp: Path, job: Any, world: int, *args: Any) -> list[Any]:
+    return ranks.ok(ranks(job, world, tmp, *args, timeout_s=120))
+
+
+def test_a_restarted_job_restores_from_the_node_tiers_without_the_disk(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Every node's tier survives (a job restart) on a ring of three nodes: each node holds its
+    own chunks and its ring predecessor's replicas, and fetches the rest (the replicated tensors
+    the third node's rank owns) from the other nodes, not from the disk."""
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 3, str(root), str(mem_dir), 1)
+    with disk_chunks_hidden(root):
+        res = _run(ranks, tmp_path, restore_job, 3, str(root), str(mem_dir), 1)
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert r["tiers"] == ["memory"] and r["peer_bytes"] > 0, r
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_a_replacement_node_restores_from_its_peer_without_the_disk(
+    ranks: Any, tmp_path: Path, mem_dir: Path, per_node: int
+) -> None:
+    root, world = tmp_path / "ckpt", 2 * per_node
+    _run(ranks, tmp_path, save_job, world, str(root), str(mem_dir), per_node)
+    shutil.rmtree(mem_dir / "n1")  # node 1 is lost; its replacement has an empty /dev/shm
+    with disk_chunks_hidden(root):
+        res = _run(ranks, tmp_path, restore_job, world, str(root), str(mem_dir), per_node)
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert r["tiers"] == ["memory"]
+    for r in range(per_node, world):
+        assert res[r]["peer_bytes"] > 0, "the replacement node's ranks fetched their chunks"
+
+
+def test_a_node_lost_with_its_peer_restores_from_the_disk(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    shutil.rmtree(mem_dir)  # both nodes lost (node 1 and its peer, node 0)
+    res = _run(ranks, tmp_path, restore_job, 2, str(root), str(mem_dir), 1)
+    disk = sorted(int(p.name[:-5]) for p in (root / "steps").glob("*[0-9].json"))
+    for r in res:
+        assert r["step"] == disk[-1] and r["bitwise"], r
+        assert r["tiers"] == ["local"] and r["peer_bytes"] is None
+
+
+def fsdp_save_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
+    from test_reshard import build, snapshot, train
+
+    net, opt = build(world, seed=0)
+    train(net, opt, 2)
+    ck = Checkpointer(root, **_options(rank, mem, 1))
+    ck.save(2, {"model": net, "optim": opt}).wait(timeout=60)
+    if ck._dist is not None and ck._dist.replicator is not None:
+        ck._dist.replicator.drain()
+    return snapshot(net, opt)  # then vanish without closing (a crash)
+
+
+def fsdp_restore_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
+    from test_reshard import build, snapshot
+
+    net, opt = build(world, seed=5)  # other weights, empty optimizer state
+    with Checkpointer(root, **_options(rank, mem, 1)) as ck:
+        step = ck.restore({"model": net, "optim": opt})
+    peers = [
+        e
+        for e in read_events(Path(root))
+        if e["event"] == "restored_from_peers" and e.get("rank") == rank
+    ]
+    return {"step": step, "state": snapshot(net, opt), "peer": bool(peers)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(a == b)
+
+
+def test_fsdp2_shards_of_a_lost_node_come_back_from_its_peer(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    saved = _run(ranks, tmp_path, fsdp_save_job, 2, str(root), str(mem_dir))
+    shutil.rmtree(mem_dir / "n1")
+    with disk_chunks_hidden(root):
+        res = _run(ranks, tmp_path, fsdp_restore_job, 2, str(root), str(mem_dir))
+    for r in res:
+        assert r["step"] == 2 and r["peer"]
+        assert _equal(r["state"], saved[0]), "model shards and optimizer state, bitwise"

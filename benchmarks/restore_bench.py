@@ -200,7 +200,7 @@ def rounds(
     bests: dict[str, float] = {}
     per_round: dict[str, list[float]] = {}
     try:
-        with flashckpt.Checkpointer(root, memory_tier=mem) as ck:
+        with flashckpt.Checkpointer(root, memory_tier=mem, keep_memory_after_close=True) as ck:
             ck.save(1, state).durable.result()
         live = {k: torch.zeros_like(v) for k, v in state.items()}  # touched, like a model
 

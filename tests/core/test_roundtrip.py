@@ -113,7 +113,11 @@ def test_roundtrip_from_the_memory_tier_bitwise(tmp_path, make_state, state_equa
     expected = copy.deepcopy(state)
     try:
         with flashckpt.Checkpointer(
-            tmp_path / "root", memory_tier=mem, compression=compression, chunk_size="64KiB"
+            tmp_path / "root",
+            memory_tier=mem,
+            compression=compression,
+            chunk_size="64KiB",
+            keep_memory_after_close=True,  # else a clean close empties it (disk holds all)
         ) as ckpt:
             ckpt.save(4, state)
         fresh = make_state(trained=0, seed=3)

@@ -110,7 +110,10 @@ def test_memory_tier_on_tmpfs_is_mapped(tmp_path, monkeypatch):
     mem = Path("/dev/shm") / f"flashckpt-test-reader-{os.getpid()}"
     state = _state(1)
     try:
-        with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem, chunk_size=CHUNK) as ck:
+        # a clean close empties the memory tier once its steps are on disk: keep it here
+        with flashckpt.Checkpointer(
+            tmp_path / "root", memory_tier=mem, chunk_size=CHUNK, keep_memory_after_close=True
+        ) as ck:
             ck.save(1, state)
         live = _zeroed(state)
         with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:

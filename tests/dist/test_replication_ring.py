@@ -53,8 +53,11 @@ def _open(root: str, shm: str, rank: int, per_node: int, **kw: Any) -> Checkpoin
 
 
 def ring_job(rank: int, world: int, root: str, shm: str, per_node: int) -> dict[str, Any]:
+    from flashckpt.store.remote import FsspecBackend
+
     model = _model()
-    with _open(root, shm, rank, per_node, keep_memory=1) as ck:
+    remote = f"memory://flashckpt-ring/{Path(shm).name}"  # fsspec's in-process store: rank 0's
+    with _open(root, shm, rank, per_node, keep_memory=1, remote=remote) as ck:
         assert ck._dist is not None and ck._dist.replicator is not None
         for step in (1, 2, 3):
             if step > 1:
@@ -63,7 +66,8 @@ def ring_job(rank: int, world: int, root: str, shm: str, per_node: int) -> dict[
             ck.save(step, {"model": model})
             ck._dist.replicator.drain()  # no step skipped: each round sees the one before
         sent = {r.step: r.sent_bytes for r in ck._dist.replicator.history}
-    return {"sent": sent}
+        ck.wait_promoted(30)
+    return {"sent": sent, "remote": CheckpointStore(FsspecBackend(remote)).steps()}
 
 
 @pytest.mark.parametrize("per_node", [1, 2])
@@ -89,6 +93,7 @@ def test_each_node_holds_its_peers_chunks_and_unchanged_chunks_are_not_resent(
     assert by_step[2] == by_step[3] == chunk, by_step
     assert by_step[1] > 4 * chunk, "the first step sends everything"
     assert sum(r["sent"][2] for r in results) == chunk
+    assert results[0]["remote"] == [1, 2, 3], "rank 0 promotes from the disk tier to the remote"
     assert main(["ls", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("3 ") and "memory,local (replicated)" in ln for ln in lines), lines

@@ -11,9 +11,9 @@ replicas only), so the copy is distributed, inside a replication round (side gro
 3. all-reduce of failures: when none, rank 0 commits the manifest in the disk tier (the chunks of
    every rank are durable there by then);
 4. all-reduce of rank 0's outcome: every rank closes its window (committed, or failed: what it
-   wrote becomes a gc candidate). Rank 0 journals ``promoted`` (or ``promote_failed``), queues the
-   step's promotion to the remote tier (from the disk tier, the ordinary promoter) and applies
-   the disk tier's retention.
+   wrote becomes a gc candidate). Rank 0 journals ``promoted`` (or ``promote_failed``) and hands
+   the step on (``after``: the replicator queues its promotion to the remote tier, from the disk
+   tier by the ordinary promoter, and the disk tier's retention, off the replication thread).
 
 A failure here is journaled and the step stays in the memory tiers; it never breaks the round.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flashckpt.dist.transfer import Exchange, rank_chunks
@@ -41,8 +42,11 @@ def promote_round(
     dst: Any,
     tiers: Any,
     journal: Journal,
+    after: Callable[[Manifest], object],
 ) -> bool:
-    """Steps 1-4 of the module docstring; True when the step was committed in ``dst``."""
+    """Steps 1-4 of the module docstring; True when the step was committed in ``dst``. Rank 0
+    then calls ``after(manifest)``, which must not block (it queues the remote promotion and the
+    disk tier's retention elsewhere: a promoter queue that is full must not hold up the round)."""
     step = manifest.step
     want = 0
     if rank == 0 and dst is not None:
@@ -69,7 +73,9 @@ def promote_round(
     else:
         win.failed()
     if rank == 0:
-        _after(ok, step, tiers, dst, manifest, journal, time.perf_counter() - t0, total, error)
+        _journal(ok, step, dst, journal, time.perf_counter() - t0, total, error)
+        if ok:
+            after(manifest)
     elif error is not None:
         log.warning("promoting step %d to the %s tier: %s", step, dst.name, error)
     return ok
@@ -94,12 +100,10 @@ def _copy_own(
     return None, nbytes
 
 
-def _after(
+def _journal(
     ok: bool,
     step: int,
-    tiers: Any,
     dst: Any,
-    manifest: Manifest,
     journal: Journal,
     seconds: float,
     nbytes: int,
@@ -111,8 +115,3 @@ def _after(
         )
         return
     journal.append("promoted", step=step, src="memory", dst=dst.name, seconds=seconds, bytes=nbytes)
-    try:
-        tiers.committed(step, dst, manifest)  # to the remote tier, from the disk tier
-        tiers.retain(dst)
-    except FlashCkptError as exc:
-        log.warning("after promoting step %d to the %s tier: %s", step, dst.name, exc)

@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,9 @@ class Replicator:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # rank 0, after a step reached the disk tier: queue it for the remote and trim the disk
+        # tier here, so a full promoter queue (on_full="wait") never stalls a round
+        self._later = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-replica-after")
 
     # -- the save thread and the Checkpointer -------------------------------------------------
     def retention(self, inner: RetentionPolicy) -> RetentionPolicy:
@@ -176,6 +180,15 @@ class Replicator:
             thread.join(self.join_timeout_s)
             if thread.is_alive():
                 log.error("the replication thread did not stop within %ss", self.join_timeout_s)
+        self._later.shutdown(wait=True)
+
+    def _after_disk(self, manifest: Manifest) -> None:
+        local = self.local
+        try:
+            self.tiers.committed(manifest.step, local, manifest)  # to the remote, from disk
+            self.tiers.retain(local)
+        except FlashCkptError as exc:
+            log.warning("after promoting step %d to the %s tier: %s", manifest.step, local.name, exc)
 
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.broken is None
@@ -221,6 +234,7 @@ class Replicator:
             dst=self.local,
             tiers=self.tiers,
             journal=self.journal,
+            after=lambda m: self._later.submit(self._after_disk, m),
         )
         res = self._replicate(step, manifest)
         failures, sent = self.exchange.all_reduce([res.failures, res.sent_bytes])

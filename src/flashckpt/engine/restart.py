@@ -6,8 +6,8 @@ restore call, ``tick`` on every step), and at the first step reported after the 
 journals one ``restart`` event (primary writer only, so an N-rank job counts a restart once)::
 
     restart_seconds = down_s + start_s + restore_s + first_step_s
-    down_s        kill -> this process started (/proc/self/stat; off Linux: when flashckpt's
-                  engine was imported, so the interpreter start moves into down_s)
+    down_s        kill -> this process started (/proc/self/stat; off Linux: when flashckpt
+                  was imported, so the interpreter start moves into down_s)
     start_s       process start -> the restore call (interpreter, imports, building the model
                   and optimizer, opening the Checkpointer)
     restore_s     the restore call (None when no checkpoint was loaded; its time is then in
@@ -22,7 +22,7 @@ step (or one save, or one restore) of the killed run. When the previous run died
 process started (a supervisor restarting training in-process), ``down_s`` is 0.
 
 ``imported_s`` and ``ready_s`` are milestones inside ``start_s``: seconds from the process
-start until flashckpt's engine was imported and until the Checkpointer was ready.
+start until flashckpt was imported and until the Checkpointer was ready.
 
 A clean previous run (``close()`` removed its marker) journals no restart: nothing says when
 it stopped being useful.
@@ -33,14 +33,13 @@ from __future__ import annotations
 import os
 import time
 
+from flashckpt import _IMPORTED_T as IMPORTED_T  # when flashckpt was imported
 from flashckpt.journal import Journal
-
-IMPORTED_T = time.time()  # when flashckpt's engine was imported (in a script: after torch)
 
 
 def process_start_time() -> tuple[float, str]:
     """Wall-clock time this process started and its source: ``"proc"`` (Linux, 10 ms
-    resolution) or ``"import"`` (elsewhere: when flashckpt's engine was imported)."""
+    resolution) or ``"import"`` (elsewhere: when flashckpt was imported)."""
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()

@@ -80,6 +80,8 @@ class RunMarker:
         os.pwrite(self._fd, record.encode()[:_WIDTH], 0)
         if self.restart is not None and step is not None:
             self.restart.tick(step)
+            if self.restart.done:  # journaled: later ticks skip it
+                self.restart = None
 
     def restoring(self) -> None:
         """A restore call begins (times the restart; nothing else)."""

@@ -23,8 +23,8 @@ def _log() -> list[dict]:
 
 JOURNAL = [
     {"t": 1.0, "event": "restart", "pid": 1, "restart_seconds": 99.0},  # not a resumed process
-    {"t": 15.1, "event": "restart", "pid": 2, "restart_seconds": 3.2, "down_s": 0.2,
-     "start_s": 1.5, "restore_s": 0.5, "first_step_s": 1.0},
+    {"t": 15.1, "event": "restart", "pid": 2, "restart_seconds": 3.2, "killed_t": 11.9,
+     "down_s": 0.2, "start_s": 1.5, "restore_s": 0.5, "first_step_s": 1.0},
 ]  # fmt: skip
 
 
@@ -41,3 +41,12 @@ def test_without_a_journal_the_log_times_the_restart() -> None:
     res = analyze(_log(), kills=[12.0], t0=0.0, t_end=25.0)
     assert res.restart_s == [pytest.approx(3.0)] and res.restart_journaled == 0
     assert res.journal_restart_parts_s == {}
+
+
+def test_a_journaled_restart_spanning_two_failures_is_not_used() -> None:
+    """Kills at 6 and 12: the process started at 6 died before opening its Checkpointer, so
+    the journal's kill instant is the first run's last sign of life (before 6)."""
+    journal = [{**JOURNAL[1], "killed_t": 5.5, "restart_seconds": 9.6}]
+    res = analyze(_log(), kills=[6.0, 12.0], t0=0.0, t_end=25.0, journal=journal)
+    assert res.restart_s == [pytest.approx(3.0)]  # the log's: kill at 12 -> step at 15
+    assert res.restart_journaled == 0 and res.journal_restart_parts_s == {}

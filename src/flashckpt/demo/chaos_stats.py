@@ -15,7 +15,10 @@ record per step (compute and blocking seconds). Processes follow each other in t
   its ``journal``: a process that journaled a ``restart`` (engine/restart.py) contributes that
   ``restart_seconds`` (kill = the killed run's last sign of life, so it errs long by at most
   a step) instead of the log's, and ``journal_restart_parts_s`` holds the journal's mean parts
-  (down, start, restore, first_step); ``restart_journaled`` counts them.
+  (down, start, restore, first_step); ``restart_journaled`` counts them. A journaled restart
+  whose kill instant precedes the kill before this one spans two failures (a restarted
+  process killed before it opened its Checkpointer leaves no trace in the journal); the log's
+  figure is used for it instead.
 - **Daly's model** at the measured save cost ``C`` (blocking per save plus the extra seconds of
   the step after it), restart ``R``, failure rate (wall / failures) and mean seconds of work
   between saves ``τ``: ``1 − expected_waste_fraction(τ, C, M, R)``.
@@ -86,10 +89,11 @@ def _restarts(
     runs: Sequence[Run],
     kills: Sequence[float],
     t_spawn0: float,
-    journaled: Mapping[Any, Mapping[str, Any]],
+    journaled: dict[Any, Mapping[str, Any]],
 ) -> tuple[list[float], dict[str, list[float]], float | None]:
     """Restart seconds per kill that was followed by a resumed step (the journaled value
-    where ``journaled`` has the process's pid); the parts; cold start."""
+    where ``journaled`` has the process's pid; entries not used are removed from it); the
+    parts; cold start."""
     parts: dict[str, list[float]] = {
         "process": [],
         "imports": [],
@@ -108,6 +112,9 @@ def _restarts(
             continue
         kill = before[-1]
         j = journaled.get(s.get("pid"))
+        if j is not None and not _one_failure(j, before[-2] if len(before) > 1 else t_spawn0):
+            journaled.pop(s.get("pid"))  # it spans an earlier failure too: take the log's
+            j = None
         restart.append(j["restart_seconds"] if j else run.steps[0]["t"] - kill)
         parts["process"].append(s["t_proc"] - kill)
         parts["imports"].append(s["t_imported"] - s["t_proc"])
@@ -115,6 +122,13 @@ def _restarts(
         parts["restore"].append(s["t_restored"] - s["t_restore"])
         parts["first_step"].append(run.steps[0]["t"] - s["t_restored"])
     return restart, parts, cold
+
+
+def _one_failure(event: Mapping[str, Any], previous_kill: float) -> bool:
+    """The journaled kill instant (the killed run's last sign of life) follows the kill
+    before: the journaled restart covers this failure only."""
+    killed_t = event.get("killed_t")
+    return not isinstance(killed_t, (int, float)) or killed_t >= previous_kill
 
 
 def journaled_restarts(journal: Sequence[Mapping[str, Any]]) -> dict[Any, Mapping[str, Any]]:

@@ -19,7 +19,9 @@ The kill instant is the previous run's last sign of life: the mtime of its run m
 (rewritten on every tick) or of the journal, whichever is later (read before this run writes
 either). It is at or before the real kill, so ``restart_seconds`` errs long by at most one
 step (or one save, or one restore) of the killed run. When the previous run died after this
-process started (a supervisor restarting training in-process), ``down_s`` is 0.
+process started (a supervisor restarting training in-process), ``down_s`` is 0. A restarted
+process killed before it opened its Checkpointer leaves no trace, so the next restart's figure
+spans both failures (from the last run that did).
 
 ``imported_s`` and ``ready_s`` are milestones inside ``start_s``: seconds from the process
 start until flashckpt was imported and until the Checkpointer was ready.

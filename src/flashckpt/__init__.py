@@ -4,12 +4,19 @@ The public face is small: :class:`Checkpointer`, :func:`restore` (read-only, no 
 :class:`SaveHandle`, :class:`RNG`,
 :class:`ResumableSampler`, the errors, and the ``flashckpt.policy`` and ``flashckpt.memory``
 subpackages.
+
+``import flashckpt`` loads only the errors: the engine (and with it xxhash, torch.distributed
+helpers, the store) is imported on first use of a name below (PEP 562), so a training script
+that imports flashckpt pays for it when it opens a Checkpointer, and a CLI or a worker that
+only catches flashckpt's errors pays nothing. tests/test_import_lazy.py keeps it that way.
 """
 
-from flashckpt import policy
-from flashckpt.engine.checkpointer import Checkpointer
-from flashckpt.engine.handle import SaveHandle, SaveStats
-from flashckpt.engine.readonly import restore
+from __future__ import annotations
+
+import importlib
+import time
+from typing import TYPE_CHECKING, Any
+
 from flashckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -23,10 +30,43 @@ from flashckpt.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from flashckpt.state.rng import RNG
-from flashckpt.state.sampler import ResumableSampler
+
+if TYPE_CHECKING:
+    from flashckpt import policy
+    from flashckpt.engine.checkpointer import Checkpointer
+    from flashckpt.engine.handle import SaveHandle, SaveStats
+    from flashckpt.engine.readonly import restore
+    from flashckpt.state.rng import RNG
+    from flashckpt.state.sampler import ResumableSampler
 
 __version__ = "0.1.0"
+_IMPORTED_T = time.time()  # when flashckpt was imported (engine/restart.py: a restart milestone)
+
+# public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "Checkpointer": "flashckpt.engine.checkpointer",
+    "SaveHandle": "flashckpt.engine.handle",
+    "SaveStats": "flashckpt.engine.handle",
+    "restore": "flashckpt.engine.readonly",
+    "RNG": "flashckpt.state.rng",
+    "ResumableSampler": "flashckpt.state.sampler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "policy":
+        return importlib.import_module("flashckpt.policy")
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'flashckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "RNG",

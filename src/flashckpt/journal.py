@@ -21,6 +21,10 @@ running under torch.distributed. Event names and their fields:
 ``restore``          ``step``, ``tier``, ``seconds``, ``bytes``
 ``corrupt``          ``step``, ``tier``, ``error``
 ``steps_lost``       ``from_step``, ``to_step``, ``steps``
+``restart``          ``step`` (first resumed), ``restart_seconds`` (kill -> that step) = ``down_s``
+                     + ``start_s`` + ``restore_s`` (null: nothing loaded) + ``first_step_s``;
+                     ``restored_step``, ``killed_t``, ``process_t``, ``start_source``,
+                     ``imported_s``, ``ready_s`` (see engine/restart.py)
 ``step_time``        ``step``, ``seconds`` (mean training step time since the last record)
 ``memory``           ``phase``, ``allocated_bytes``, ``reserved_bytes``, ``max_allocated_bytes``,
                      ``fragmentation_bytes``, ``alloc_retries``
@@ -130,7 +134,16 @@ def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | Non
     return obj if _well_typed(obj) else None
 
 
-_INT_FIELDS = ("step", "pid", "rank", "last_step", "last_trained_step", "from_step", "to_step")
+_INT_FIELDS = (
+    "step",
+    "pid",
+    "rank",
+    "last_step",
+    "last_trained_step",
+    "from_step",
+    "to_step",
+    "restored_step",
+)
 
 
 def _well_typed(obj: dict[str, Any]) -> bool:

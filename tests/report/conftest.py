@@ -33,6 +33,8 @@ def make_journal() -> list[dict[str, Any]]:
             add(t + 95, "run_start", clean_previous=False)
             add(t + 110, "restore", step=400, tier="memory", seconds=12.0, bytes=3.1e9)
             add(t + 110, "steps_lost", from_step=401, to_step=step, steps=step - 400)
+            restart = dict(down_s=0.4, start_s=94.6, restore_s=12.0, first_step_s=0.5)
+            add(t + 112.5, "restart", step=401, restart_seconds=107.5, restored_step=400, **restart)
             t, step = t + 112, 400
         for _ in range(470 if run == 0 else 600):
             step += 1

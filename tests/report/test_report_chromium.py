@@ -107,6 +107,9 @@ def test_dom_has_the_svg_plots(rendered: tuple[Path, Path]) -> None:
     dom = _run(["--dump-dom", page.as_uri()], tmp)
     assert dom.count("<svg") == 6
     assert dom.count("<polyline") >= 4 and dom.count("<circle") > 50
+    # the restart card: kill -> first resumed step, and its parts
+    card = dom.split('<div class="k">restart</div>', 1)[1].split('<div class="card">', 1)[0]
+    assert "1.79 min" in card and "down 400 ms · start 1.58 min · restore 12 s" in card
 
 
 def test_screenshot_shows_the_charts(rendered: tuple[Path, Path]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from flashckpt.demo.chaos_stats import analyze
 from flashckpt.errors import ConfigError
+from flashckpt.journal import read_events
 
 METHODS = ("flashckpt", "torch_save", "dcp_async_save")
 # ~23M parameters: about 370 MB of model + AdamW state, inside the 200-500 MB the issue asks for
@@ -147,7 +148,8 @@ def _run_method(cfg: dict[str, Any], kills: Sequence[float], duration: float) ->
         t_end = time.time()
         shutil.rmtree(cfg["memory"], ignore_errors=True)
     records = _read(Path(cfg["log"]))
-    res = analyze(records, kills=killed_at, t0=t0, t_end=t_end).as_dict()
+    journal = read_events(cfg["root"]) if cfg["method"] == "flashckpt" else None
+    res = analyze(records, kills=killed_at, t0=t0, t_end=t_end, journal=journal).as_dict()
     if cfg["method"] == "flashckpt":
         res["report"] = _report(Path(cfg["root"]))
     return res

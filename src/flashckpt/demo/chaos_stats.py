@@ -11,7 +11,14 @@ record per step (compute and blocking seconds). Processes follow each other in t
 - **Goodput** = useful time / wall time of the run.
 - **Restart** (per kill): kill → first completed step of the next process, split into process
   (kill → spawn), imports (interpreter start and imports), build (model and optimizer), restore
-  (opening the checkpointer and loading), and the first step.
+  (opening the checkpointer and loading), and the first step. For the flashckpt method, pass
+  its ``journal``: a process that journaled a ``restart`` (engine/restart.py) contributes that
+  ``restart_seconds`` (kill = the killed run's last sign of life, so it errs long by at most
+  a step) instead of the log's, and ``journal_restart_parts_s`` holds the journal's mean parts
+  (down, start, restore, first_step); ``restart_journaled`` counts them. A journaled restart
+  whose kill instant precedes the kill before this one spans two failures (a restarted
+  process killed before it opened its Checkpointer leaves no trace in the journal); the log's
+  figure is used for it instead.
 - **Daly's model** at the measured save cost ``C`` (blocking per save plus the extra seconds of
   the step after it), restart ``R``, failure rate (wall / failures) and mean seconds of work
   between saves ``τ``: ``1 − expected_waste_fraction(τ, C, M, R)``.
@@ -50,6 +57,8 @@ class MethodResult:
     restore_s: list[float]
     restart_s: list[float]
     restart_parts_s: dict[str, float]
+    restart_journaled: int
+    journal_restart_parts_s: dict[str, float]
     cold_start_s: float | None
     restart_ratio: float | None
 
@@ -77,9 +86,14 @@ def surviving(runs: Sequence[Run]) -> list[Mapping[str, Any]]:
 
 
 def _restarts(
-    runs: Sequence[Run], kills: Sequence[float], t_spawn0: float
+    runs: Sequence[Run],
+    kills: Sequence[float],
+    t_spawn0: float,
+    journaled: dict[Any, Mapping[str, Any]],
 ) -> tuple[list[float], dict[str, list[float]], float | None]:
-    """Restart seconds per kill that was followed by a resumed step; the parts; cold start."""
+    """Restart seconds per kill that was followed by a resumed step (the journaled value
+    where ``journaled`` has the process's pid; entries not used are removed from it); the
+    parts; cold start."""
     parts: dict[str, list[float]] = {
         "process": [],
         "imports": [],
@@ -97,7 +111,11 @@ def _restarts(
         if not before or not run.steps:
             continue
         kill = before[-1]
-        restart.append(run.steps[0]["t"] - kill)
+        j = journaled.get(s.get("pid"))
+        if j is not None and not _one_failure(j, before[-2] if len(before) > 1 else t_spawn0):
+            journaled.pop(s.get("pid"))  # it spans an earlier failure too: take the log's
+            j = None
+        restart.append(j["restart_seconds"] if j else run.steps[0]["t"] - kill)
         parts["process"].append(s["t_proc"] - kill)
         parts["imports"].append(s["t_imported"] - s["t_proc"])
         parts["build"].append(s["t_restore"] - s["t_imported"])
@@ -106,12 +124,46 @@ def _restarts(
     return restart, parts, cold
 
 
+def _one_failure(event: Mapping[str, Any], previous_kill: float) -> bool:
+    """The journaled kill instant (the killed run's last sign of life) follows the kill
+    before: the journaled restart covers this failure only."""
+    killed_t = event.get("killed_t")
+    return not isinstance(killed_t, (int, float)) or killed_t >= previous_kill
+
+
+def journaled_restarts(journal: Sequence[Mapping[str, Any]]) -> dict[Any, Mapping[str, Any]]:
+    """The ``restart`` events of a flashckpt journal by the pid that journaled them."""
+    out: dict[Any, Mapping[str, Any]] = {}
+    for e in journal:
+        secs = e.get("restart_seconds")
+        if e.get("event") == "restart" and isinstance(secs, (int, float)) and secs >= 0:
+            out.setdefault(e.get("pid"), e)
+    return out
+
+
+def _journal_parts(journaled: Mapping[Any, Mapping[str, Any]]) -> dict[str, float]:
+    parts: dict[str, float] = {}
+    for p in ("down", "start", "restore", "first_step"):
+        vals = [e[f"{p}_s"] for e in journaled.values() if isinstance(e.get(f"{p}_s"), float)]
+        if vals:
+            parts[p] = statistics.fmean(vals)
+    return parts
+
+
 def analyze(
-    records: Sequence[Mapping[str, Any]], *, kills: Sequence[float], t0: float, t_end: float
+    records: Sequence[Mapping[str, Any]],
+    *,
+    kills: Sequence[float],
+    t0: float,
+    t_end: float,
+    journal: Sequence[Mapping[str, Any]] | None = None,
 ) -> MethodResult:
     """``kills``: wall-clock times (``time.time()``) of the SIGKILLs inside ``[t0, t_end]``;
-    ``t0``: when the first process was started; ``t_end``: when the run was stopped."""
+    ``t0``: when the first process was started; ``t_end``: when the run was stopped;
+    ``journal``: the flashckpt method's journal events (its journaled restarts win)."""
     runs = split_runs(records)
+    pids = {r.start.get("pid") for r in runs[1:]}
+    journaled = {pid: e for pid, e in journaled_restarts(journal or ()).items() if pid in pids}
     kept = surviving(runs)
     every = [r for run in runs for r in run.steps]
     step_s = statistics.median(r["compute_s"] for r in every) if every else 0.0
@@ -121,7 +173,7 @@ def analyze(
     blocking = sum(r["blocked_s"] for r in saves)
     extra = _after_save_extra(runs, step_s)
     cost = (blocking + extra) / len(saves) if saves else 0.0
-    restart, parts, cold = _restarts(runs, kills, t0)
+    restart, parts, cold = _restarts(runs, kills, t0, journaled)
     saved_steps = sorted({r["step"] for r in saves})
     interval = _interval_s(saved_steps, step_s)
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
@@ -140,6 +192,8 @@ def analyze(
         restore_s=[r.start["t_restored"] - r.start["t_restore"] for r in runs],
         restart_s=restart,
         restart_parts_s={k: mean(v) for k, v in parts.items()},
+        restart_journaled=len(journaled),
+        journal_restart_parts_s=_journal_parts(journaled),
         cold_start_s=cold,
         restart_ratio=(mean(restart) / cold) if restart and cold else None,
     )

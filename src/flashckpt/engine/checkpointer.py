@@ -402,6 +402,7 @@ class Checkpointer:
         live state, it raises :class:`CorruptCheckpointError` saying so, never returns None.
         """
         self._check_open()
+        self._marker.restoring()  # times a restart (engine/restart.py)
         self._wait_current()
         attempt = Attempt()
         try:

@@ -7,6 +7,10 @@ its own marker. ``tick(step)`` overwrites the step in place on every training st
 ``pwrite`` to the page cache, no fsync: a process crash cannot lose it, only a machine crash).
 After the first restore, ``restored(step)`` journals ``steps_lost`` = the crashed run's last step
 minus the restored step. ``end`` journals ``run_end`` and removes the marker.
+
+After a crash the marker also times the restart (engine/restart.py): ``restoring()`` and
+``restored(step)`` bracket the restore call, and the first ``tick`` after it journals
+``restart`` (kill -> first resumed step, in parts).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashckpt.engine.restart import RestartClock
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal, read_events
 from flashckpt.store import safeopen
@@ -38,6 +43,7 @@ class RunMarker:
         self.journal = journal
         self.primary = primary
         self.crashed_at_step: int | None = None
+        self.restart: RestartClock | None = None  # set after a crash (primary writer only)
         self._fd: int | None = None
         self._t0 = time.time()
 
@@ -47,11 +53,13 @@ class RunMarker:
             last = _read(self.root, self.rel).get("step")
             self.crashed_at_step = last if isinstance(last, int) else None
             steps = store.steps()
+            since_t = safeopen.lstat_in(self.root, self.rel).st_mtime
+            self.restart = RestartClock(self.journal, signs_of_life=[since_t, _mtime(self.journal)])
             self.journal.append(
                 "crash_detected",
                 last_step=steps[-1] if steps else None,
                 last_trained_step=self.crashed_at_step,
-                since_t=safeopen.lstat_in(self.root, self.rel).st_mtime,
+                since_t=since_t,
             )
         if self.primary:
             self.journal.append("run_start", clean_previous=not crashed)
@@ -70,9 +78,20 @@ class RunMarker:
             return
         record = json.dumps({"pid": os.getpid(), "t": self._t0, "step": step}).ljust(_WIDTH)
         os.pwrite(self._fd, record.encode()[:_WIDTH], 0)
+        if self.restart is not None and step is not None:
+            self.restart.tick(step)
+            if self.restart.done:  # journaled: later ticks skip it
+                self.restart = None
+
+    def restoring(self) -> None:
+        """A restore call begins (times the restart; nothing else)."""
+        if self.restart is not None:
+            self.restart.restoring()
 
     def restored(self, step: int) -> None:
         """Journal the work the crashed run lost (once, after the first restore)."""
+        if self.restart is not None:
+            self.restart.restored(step)
         last, self.crashed_at_step = self.crashed_at_step, None
         if last is not None and last > step and self.primary:
             self.journal.append("steps_lost", from_step=step, to_step=last, steps=last - step)
@@ -84,6 +103,13 @@ class RunMarker:
             os.close(self._fd)
             self._fd = None
         safeopen.unlink_nofollow(self.root, self.rel)
+
+
+def _mtime(journal: Journal) -> float | None:
+    try:
+        return os.lstat(journal.path).st_mtime
+    except OSError:
+        return None
 
 
 def _exists(root: Path, rel: str) -> bool:

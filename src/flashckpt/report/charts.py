@@ -27,6 +27,7 @@ INCIDENTS = {
     "corrupt": ("corrupt", "#8b5cf6"),
     "steps_lost": ("steps lost", "#db2777"),
     "restore": ("restore", "#10b981"),
+    "restart": ("restart", "#0ea5e9"),
 }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flashckpt.policy.interval import primary_events
 from flashckpt.report import charts as ch
+from flashckpt.report.restarts import describe_parts
 from flashckpt.report.style import CSS
 from flashckpt.report.summary import (
     Event,
@@ -138,6 +139,7 @@ def _cards(s: RunSummary) -> str:
                     f"{s.steps_lost} steps lost · {s.restores} restore(s)",
                     "bad" if s.crashes else "",
                 ),
+                _card("restart", ch.opt(s.last_restart_s), _restart_note(s)),
                 _card(
                     "interval", ch.opt(s.interval_s), s.interval_reason or "no decision journaled"
                 ),
@@ -145,6 +147,16 @@ def _cards(s: RunSummary) -> str:
             ]
         )
         + "</div>"
+    )
+
+
+def _restart_note(s: RunSummary) -> str:
+    """The last restart's parts and the mean (kill -> first resumed step)."""
+    if not s.restarts_timed:
+        return "kill → first resumed step; none timed"
+    return (
+        f"{describe_parts(s.restart_parts_last, fmt_s)} · mean {ch.opt(s.mean_restart_s)} "
+        f"over {s.restarts_timed}"
     )
 
 

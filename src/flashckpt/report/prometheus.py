@@ -63,6 +63,25 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("flashckpt_restores_total", "restores", "counter", "Restores"),
     ("flashckpt_crashes_total", "crashes", "counter", "Crashes detected on restart"),
     ("flashckpt_steps_lost_total", "steps_lost", "counter", "Training steps redone after crashes"),
+    ("flashckpt_restarts_timed_total", "restarts_timed", "counter", "Restarts timed after crashes"),
+    (
+        "flashckpt_restart_seconds_last",
+        "last_restart_s",
+        "gauge",
+        "Seconds from the kill to the first resumed step, last restart",
+    ),
+    (
+        "flashckpt_restart_seconds_mean",
+        "mean_restart_s",
+        "gauge",
+        "Mean seconds from a kill to the first resumed step",
+    ),
+    (
+        "flashckpt_restart_seconds_max",
+        "max_restart_s",
+        "gauge",
+        "Longest restart, kill to first resumed step, seconds",
+    ),
     ("flashckpt_last_step", "last_step", "gauge", "Newest step in the journal"),
     ("flashckpt_last_durable_step", "last_durable_step", "gauge", "Newest durable checkpoint"),
     ("flashckpt_interval_seconds", "interval_s", "gauge", "Chosen checkpoint interval"),
@@ -71,6 +90,18 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("flashckpt_cost_total", "cost", "counter", "Run cost (wall hours x GPUs x price)"),
     ("flashckpt_wasted_cost_total", "wasted_cost", "counter", "Cost not spent on useful training"),
 )
+
+
+# labelled: one sample per restart part (down, start, restore, first_step)
+PARTS_METRIC = "flashckpt_restart_part_seconds"
+PARTS_HELP = "Seconds of one part of a restart (label part: down, start, restore, first_step)"
+
+
+def _part_samples(s: RunSummary) -> Iterator[tuple[str, str, float]]:
+    """(stat, part, seconds): ``_last`` and ``_mean`` gauges of each part."""
+    for stat, parts in (("last", s.restart_parts_last), ("mean", s.restart_parts_mean)):
+        for part, value in parts.items():
+            yield stat, part, float(value)
 
 
 def _summary(summary_or_events: RunSummary | Iterable[Event] | str | Path) -> RunSummary:
@@ -89,8 +120,16 @@ def _samples(s: RunSummary) -> Iterator[tuple[str, str, str, float]]:
 def exposition(summary_or_events: RunSummary | Iterable[Event] | str | Path) -> str:
     """Prometheus text exposition format (version 0.0.4) for a summary, events or a root."""
     lines = []
-    for name, kind, help_text, value in _samples(_summary(summary_or_events)):
+    summary = _summary(summary_or_events)
+    for name, kind, help_text, value in _samples(summary):
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value!r}"]
+    seen: set[str] = set()
+    for stat, part, value in _part_samples(summary):
+        name = f"{PARTS_METRIC}_{stat}"
+        if name not in seen:
+            seen.add(name)
+            lines += [f"# HELP {name} {PARTS_HELP} ({stat})", f"# TYPE {name} gauge"]
+        lines.append(f'{name}{{part="{part}"}} {value!r}')
     return "\n".join(lines) + "\n"
 
 
@@ -138,11 +177,19 @@ class PrometheusExporter:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        for name, kind, help_text, value in _samples(summarize(load_events(self.root))):
+        summary = summarize(load_events(self.root))
+        for name, kind, help_text, value in _samples(summary):
             if kind == "counter":
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
             else:
                 yield GaugeMetricFamily(name, help_text, value=value)
+        families: dict[str, Any] = {}
+        for stat, part, value in _part_samples(summary):
+            name = f"{PARTS_METRIC}_{stat}"
+            if name not in families:
+                families[name] = GaugeMetricFamily(name, f"{PARTS_HELP} ({stat})", labels=["part"])
+            families[name].add_metric([part], value)
+        yield from families.values()
 
     def start(self) -> PrometheusExporter:
         from prometheus_client import CollectorRegistry, start_http_server

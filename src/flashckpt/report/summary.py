@@ -26,13 +26,14 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flashckpt.errors import ConfigError
 from flashckpt.journal import read_events
 from flashckpt.policy.interval import crash_history, primary_events
+from flashckpt.report.restarts import restart_stats
 
 Event = Mapping[str, Any]
 
@@ -199,6 +200,10 @@ class RunSummary:
 
     ``cost`` = ``wall_s``/3600 × ``gpu_hour_price`` × ``gpus``; ``wasted_cost`` is the share of it
     not spent on useful training. Both are ``None`` without a price.
+
+    Restart seconds (kill -> first resumed step, from ``restart`` events; see
+    engine/restart.py): ``restarts_timed`` of them, the last, mean and max, and each part's
+    last and mean value (``down``, ``start``, ``restore``, ``first_step``).
     """
 
     events: int
@@ -222,6 +227,12 @@ class RunSummary:
     steps_lost: int = 0
     lost_s: float = 0.0
     restart_gap_s: float = 0.0
+    restarts_timed: int = 0
+    last_restart_s: float | None = None
+    mean_restart_s: float | None = None
+    max_restart_s: float | None = None
+    restart_parts_last: dict[str, float] = field(default_factory=dict)
+    restart_parts_mean: dict[str, float] = field(default_factory=dict)
     step_time_s: float | None = None
     last_step: int | None = None
     last_durable_step: int | None = None
@@ -316,6 +327,7 @@ def summarize(
     raw = [num(e.get("raw_Bps")) for e in evs if e.get("event") in ("bench", "device", "durable")]
     interval = kinds["interval"][-1] if kinds["interval"] else {}
     done = [r for r in recs if r.failed is None]
+    rs = restart_stats(evs)
     return RunSummary(
         events=len(evs),
         runs=hist.runs,
@@ -338,6 +350,12 @@ def summarize(
         steps_lost=lost_steps,
         lost_s=lost_s,
         restart_gap_s=gap_s,
+        restarts_timed=rs.count,
+        last_restart_s=rs.last_s,
+        mean_restart_s=rs.mean_s,
+        max_restart_s=rs.max_s,
+        restart_parts_last=rs.parts_last,
+        restart_parts_mean=rs.parts_mean,
         step_time_s=step_time,
         last_step=int(max(steps)) if steps else None,
         last_durable_step=max(durable_steps, default=None),

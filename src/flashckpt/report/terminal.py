@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from flashckpt.report.restarts import describe_parts
 from flashckpt.report.summary import RunSummary
 from flashckpt.report.svg import fmt_bytes, fmt_rate, fmt_s
 
 
 def _opt(value: float | None, fmt: Any = fmt_s) -> str:
     return "–" if value is None else str(fmt(value))
+
+
+def _restart(s: RunSummary) -> str:
+    """Kill -> first resumed step: last (its parts), mean, max."""
+    if not s.restarts_timed:
+        return "– (no restart after a crash timed yet)"
+    return (
+        f"last {_opt(s.last_restart_s)} ({describe_parts(s.restart_parts_last, fmt_s)}) · mean "
+        f"{_opt(s.mean_restart_s)}, max {_opt(s.max_restart_s)} over {s.restarts_timed}"
+    )
 
 
 def format_status(s: RunSummary, *, root: str = "") -> str:
@@ -36,6 +47,7 @@ def format_status(s: RunSummary, *, root: str = "") -> str:
         f"  failures  {s.crashes} crash(es), {s.corrupt} corrupt · {s.steps_lost} steps lost "
         f"({fmt_s(s.lost_s)}) · {s.restores} restore(s) ({fmt_s(s.restore_s)}) · restart gaps "
         f"{fmt_s(s.restart_gap_s)}",
+        f"  restart   {_restart(s)}",
         f"  interval  {_opt(s.interval_s)} ({s.interval_reason or 'no decision journaled'}){mtbf}",
         f"  goodput   {goodput}{cost}",
     ]

@@ -188,7 +188,8 @@ def test_replicas_without_torch_distributed_warns_and_saves(tmp_path: Path, mem_
         ck = Checkpointer(tmp_path / "ckpt", memory_tier=mem_dir, replicas=1, fsync=False)
     with ck:
         ck.save(1, {"x": torch.ones(3)})
-    assert CheckpointStore(LocalBackend(mem_dir)).steps() == [1]
+        ck.wait()
+        assert CheckpointStore(LocalBackend(mem_dir)).steps() == [1]
 
 
 def one_node_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:

@@ -252,18 +252,23 @@ def test_no_warm_arena_for_a_fresh_root_or_a_sync_cpu_checkpointer(tmp_path):
         assert ck._pool.capacity_bytes == 0
 
 
-def test_warmup_creates_the_chunk_directories_and_starts_the_threads(tmp_path):
-    """Regression: the first save created each chunk directory it wrote to (and fsynced each
-    new one); the warm-up creates them all at start, so a first save creates none."""
-    with flashckpt.Checkpointer(tmp_path, chunk_size="256KiB") as ck:
+def test_warmup_lists_the_stored_chunks_and_starts_the_threads(tmp_path):
+    """Regression: a tier's first save listed every chunk directory (its chunk index) before
+    its first write, and started each worker thread as it went; the warm-up does both at
+    start, and the first save still reuses what the index holds."""
+    state = _big_state()
+    with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
+        ck.save(1, state)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
         _wait_warm(ck)
-        dirs = {p.name for p in (tmp_path / "chunks").iterdir()}
-        assert len(dirs) == 256 and (tmp_path / "steps").is_dir()
+        assert ck.store.liveness._index is not None, "the chunk index was not built"
+        assert len(ck.store.liveness._index) == 6
+        assert (tmp_path / "steps").is_dir() and (tmp_path / "chunks").is_dir()
         names = {t.name for t in threading.enumerate()}
         assert sum(n.startswith("flashckpt-persist") for n in names) == ck._workers._max_workers
         assert any(n.startswith("flashckpt-stage") for n in names)
-        ck.save(1, _big_state())
-        assert {p.name for p in (tmp_path / "chunks").iterdir()} == dirs
+        stats = ck.save(2, state).durable.result(timeout=60)
+    assert stats.chunks_new == 0 and stats.chunks_reused == 6
 
 
 def test_a_first_save_racing_the_warmup_works(tmp_path, monkeypatch):

@@ -2,12 +2,13 @@
 
 Every restart begins with a save, and a first save used to cost more than a warm one: on the
 2-core CPU host, faulting in a fresh 1.2 GB staging arena took 3.2-3.6 s against 0.5 s to copy
-into it again, and each chunk directory it created cost an fsync of a new directory. So at
-construction a daemon thread, never blocking the constructor:
+into it again, and a tier's first save listed every chunk directory before its first write.
+So at construction a daemon thread, never blocking the constructor:
 
 1. starts the stager and every persist worker thread (executors start threads lazily);
-2. creates the chunk directories of each local tier (``chunks/00`` .. ``chunks/ff`` and
-   ``steps``) and makes them durable once;
+2. creates ``chunks/`` and ``steps/`` in each local tier, makes them durable once, and lists
+   the chunks the tier holds (the index the first save would otherwise build before its first
+   write: one listing per chunk directory);
 3. when saves stage through the pool (``async_save=True``, or CUDA usable: device tensors
    always stage), reserves and touches the staging arena (:meth:`StagingPool.warm`), sized
    like the newest checkpoint this rank finds in its tiers (a restart saves the same state
@@ -35,7 +36,6 @@ from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-CHUNK_PREFIXES = [f"{i:02x}" for i in range(256)]  # chunk directories are named by 2 hex digits
 START_WAIT_S = 1.0  # how long a placeholder task holds its thread while the others start
 
 
@@ -77,7 +77,7 @@ class Warmup:
                 _start_threads(ex, n, self._stop)
             for store in self.stores:
                 if not self._stop.is_set():
-                    _make_dirs(store)
+                    _prepare_store(store)
             pin = self.device.available()
             if (self.async_save or pin) and not self._stop.is_set():
                 nbytes = expected_staging_bytes(self.stores, self.rank)
@@ -101,10 +101,15 @@ def _start_threads(ex: Executor, n: int, stop: threading.Event) -> None:
     release.set()
 
 
-def _make_dirs(store: CheckpointStore) -> None:
+def _prepare_store(store: CheckpointStore) -> None:
+    """A local tier's top directories, and its chunk index (the listing of every chunk
+    directory that the first save would otherwise make before deciding what to write). The
+    256 ``chunks/<xx>`` directories are not made ahead: the first garbage collection sweeps
+    every one that exists, which cost a small first save more than creating its few."""
     backend = store.backend
     if isinstance(backend, LocalBackend):
-        backend.make_dirs([*store.chunk_dirs(CHUNK_PREFIXES), "steps"])
+        backend.make_dirs(["chunks", "steps"])
+        store.liveness.index()
 
 
 def expected_staging_bytes(stores: Sequence[CheckpointStore], rank: int) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 FIRST, WARM, WINDOW, STEPS = 4, 12, 6, 18
+SAVES = 2  # per process in the blocking part: the first, and one warm
 
 
 # -- in the child process ---------------------------------------------------------------------
@@ -91,8 +92,11 @@ def child_blocking(method: str, root: Path, size_gb: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         out["restored"] = ck.restore(state)
         out["restore_s"] = time.perf_counter() - t0
+    if ck is not None:  # was the background warm-up done when the first save came?
+        out["warmup_done_at_first_save"] = ck._warmup.done.is_set()
+        out["arena_touched_bytes"] = ck._pool.touched_bytes
     pending = None
-    for i in range(3):
+    for i in range(SAVES):
         _bump(state)
         if pending is not None:  # the previous save ends before the next (not timed)
             pending.result() if hasattr(pending, "result") else pending.wait()
@@ -187,6 +191,10 @@ def cold(argv: list[str]) -> int:
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default="cold.json")
     p.add_argument("--parts", default="blocking,loop")
+    p.add_argument(
+        "--methods", default="flashckpt_restart,dcp_async_save,torch_save,flashckpt_fresh"
+    )
+    p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="loop part")
     args = p.parse_args(argv)
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
@@ -195,19 +203,23 @@ def cold(argv: list[str]) -> int:
     size = str(args.size_gb)
     try:
         if "blocking" in args.parts:
-            child_seed(work / "b_flashckpt_restart", "mlp", args.size_gb)  # the run before
-            out["blocking"] = {
-                m: _run_child("blocking", m, str(work / f"b_{m}"), size)
-                for m in ("flashckpt_restart", "flashckpt_fresh", "dcp_async_save", "torch_save")
-            }
+            methods = args.methods.split(",")
+            if "flashckpt_restart" in methods:  # the run before the restart
+                child_seed(work / "b_flashckpt_restart", "mlp", args.size_gb)
+            out["blocking"] = {}
+            for m in methods:
+                out["blocking"][m] = _run_child("blocking", m, str(work / f"b_{m}"), size)
+                print(m, out["blocking"][m], flush=True)
+                shutil.rmtree(work / f"b_{m}", ignore_errors=True)
             for m, r in out["blocking"].items():
                 b = r["blocking_s"]
                 print(f"blocking {m}: first {b[0]:.3f} s, warm {statistics.median(b[1:]):.3f} s")
                 sys.stdout.flush()
+
         if "loop" in args.parts:
             out["loop"] = {}
-            for threads in (1, os.cpu_count() or 1):
-                for m in ("flashckpt_restart", "dcp_async_save", "torch_save"):
+            for threads in [int(t) for t in args.threads.split(",")]:
+                for m in [m for m in args.methods.split(",") if m != "flashckpt_fresh"]:
                     root = work / f"l_{m}_{threads}"
                     if m == "flashckpt_restart":
                         child_seed(root, "gpt", 0.0)

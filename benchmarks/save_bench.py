@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 SIZES = {"10MB": 10 * 10**6, "123MiB": 123 << 20, "1GiB": 1 << 30, "2GiB": 2 << 30}
-REPEATS = {"10MB": 7, "123MiB": 5, "1GiB": 3, "2GiB": 2}
+REPEATS = {"10MB": 11, "123MiB": 9, "1GiB": 3, "2GiB": 2}
 
 
 def gpt_state(nbytes: int) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def sync_vs_torch(argv: list[str]) -> int:
     p.add_argument("--sync-vs-torch", action="store_true")
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--dir", default=None, help="where saves go (default: a temp dir on disk)")
-    p.add_argument("--repeats", type=int, default=0, help="per size (default: 7, 5, 3, 2)")
+    p.add_argument("--repeats", type=int, default=0, help="per size (default: 11, 9, 3, 2)")
     p.add_argument("--out", default="sync_vs_torch.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

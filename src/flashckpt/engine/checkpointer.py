@@ -32,11 +32,11 @@ from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options, check_step
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
-from flashckpt.engine.save import SaveJob, persist_threads
+from flashckpt.engine.save import SaveJob
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.steps import holding, refuse_existing
 from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
-from flashckpt.engine.warmup import Warmup
+from flashckpt.engine.warmup import Warmup, persist_threads
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention

@@ -36,6 +36,22 @@ from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
+SYNC_IO_THREADS = 16
+"""Persist threads of a Checkpointer with synchronous saves (unless ``persist_workers`` says):
+the caller waits anyway, and chunk fsyncs issued together are served by fewer journal commits
+and device flushes (123 MiB in 124 chunk files on the 2-core host: 481 ms with 16 threads,
+592 ms with 4, 668 ms as one file with one fsync)."""
+
+
+def persist_threads(*, workers: int, persist_workers: int, async_save: bool) -> int:
+    """Threads of the persist pool: ``workers`` (from ``persist_workers`` or the CPU count)
+    for asynchronous saves, which run beside training; at least :data:`SYNC_IO_THREADS` for
+    synchronous ones."""
+    if persist_workers or async_save:
+        return workers
+    return max(workers, SYNC_IO_THREADS)
+
+
 START_WAIT_S = 1.0  # how long a placeholder task holds its thread while the others start
 
 
@@ -114,9 +130,11 @@ def _prepare_store(store: CheckpointStore) -> None:
 
 def expected_staging_bytes(stores: Sequence[CheckpointStore], rank: int) -> int:
     """Staging bytes this rank's next save will need, going by the newest checkpoint of the
-    first tier holding one (the chunks its shards name, each rounded like a staging range);
+    first local tier holding one (the chunks its shards name, each rounded like a staging range);
     0 when there is none or it cannot be read."""
     for store in stores:
+        if not isinstance(store.backend, LocalBackend):
+            continue  # a remote tier is never listed from here (a slow or billed request)
         try:
             steps = store.steps()
             if not steps:

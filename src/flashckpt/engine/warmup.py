@@ -6,14 +6,14 @@ into it again, and a tier's first save listed every chunk directory before its f
 So at construction a daemon thread, never blocking the constructor:
 
 1. starts the stager and every persist worker thread (executors start threads lazily);
-2. creates ``chunks/`` and ``steps/`` in each local tier, makes them durable once, and lists
-   the chunks the tier holds (the index the first save would otherwise build before its first
-   write: one listing per chunk directory);
-3. when saves stage through the pool (``async_save=True``, or CUDA usable: device tensors
+2. when saves stage through the pool (``async_save=True``, or CUDA usable: device tensors
    always stage), reserves and touches the staging arena (:meth:`StagingPool.warm`), sized
-   like the newest checkpoint this rank finds in its tiers (a restart saves the same state
+   like the newest checkpoint this rank finds in its local tiers (a restart saves the same state
    again) and never beyond ``host_memory_budget``. A fresh root has no size to go by: the
-   arena is then sized by the first save, as before.
+   arena is then sized by the first save, as before;
+3. creates ``chunks/`` and ``steps/`` in each local tier, makes them durable once, and lists
+   the chunks the tier holds (the index the first save would otherwise build before its first
+   write: one listing per chunk directory).
 
 A save that arrives before the warm-up is done works as without it: it waits in
 ``StagingPool.reserve`` only for what is left of the touching. :meth:`Warmup.stop` (close)
@@ -88,18 +88,19 @@ class Warmup:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        # the arena first: touching it is by far the longest part (seconds per GB)
         try:
             for ex, n in self.executors:
                 _start_threads(ex, n, self._stop)
-            for store in self.stores:
-                if not self._stop.is_set():
-                    _prepare_store(store)
             pin = self.device.available()
             if (self.async_save or pin) and not self._stop.is_set():
                 nbytes = expected_staging_bytes(self.stores, self.rank)
                 if nbytes:
                     self.pool.warm(needed_bytes=nbytes, pin=pin, stop=self._stop)
                     self.staged_bytes = self.pool.capacity_bytes
+            for store in self.stores:
+                if not self._stop.is_set():
+                    _prepare_store(store)
         except Exception as exc:  # the save path does all of this itself when it must
             log.info("checkpoint warm-up stopped early (the first save does the rest): %s", exc)
         finally:

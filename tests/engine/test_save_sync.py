@@ -159,3 +159,26 @@ def test_sync_save_of_many_chunks_uses_the_io_threads(tmp_path, monkeypatch):
         assert ck._workers._max_workers == SYNC_IO_THREADS
         ck.save(1, state)
     assert len({n for n in names if n.startswith("flashckpt-persist")}) > 4
+
+
+def test_failed_chunk_directory_fsync_commits_nothing_and_cleans_up(tmp_path):
+    """The worker fsyncs a chunk's directory after writing it; when that fsync fails the save
+    fails, nothing is committed, step 1 stays whole and the chunks written are collected."""
+
+    class DirSyncFails(LocalBackend):
+        def sync_dirs(self, dirs):
+            if any(d.startswith("chunks/") for d in dirs):
+                raise flashckpt.errors.StorageError("directory fsync failed (injected)")
+            super().sync_dirs(dirs)
+
+    state = _state(n=6)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="256KiB") as ck:
+        ck.save(1, state)
+        before = {p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+        ck.store.backend = DirSyncFails(tmp_path)
+        with pytest.raises(flashckpt.errors.StorageError, match="injected"):
+            ck.save(2, _state(n=6, seed=1))
+        assert ck.steps() == [1]
+    after = {p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+    assert after == before, "chunks of the failed save were left behind"
+    _roundtrip(tmp_path, state, 1)

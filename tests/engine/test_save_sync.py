@@ -163,7 +163,9 @@ def test_sync_save_of_many_chunks_uses_the_io_threads(tmp_path, monkeypatch):
 
 def test_failed_chunk_directory_fsync_commits_nothing_and_cleans_up(tmp_path):
     """The worker fsyncs a chunk's directory after writing it; when that fsync fails the save
-    fails, nothing is committed, step 1 stays whole and the chunks written are collected."""
+    fails, nothing is committed, step 1 stays whole and the chunks written are collected.
+    Regression: the chunk was recorded as written only after the fsync, so this cleanup saw
+    nothing written and left the chunks behind."""
 
     class DirSyncFails(LocalBackend):
         def sync_dirs(self, dirs):

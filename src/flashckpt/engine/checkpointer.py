@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.runtime import DistRuntime
+from flashckpt.engine import device as devices
 from flashckpt.engine import exit as exits
 from flashckpt.engine.cadence import decide
 from flashckpt.engine.closing import empty_memory_tier
@@ -36,6 +37,7 @@ from flashckpt.engine.save import SaveJob
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.steps import holding, refuse_existing
 from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
+from flashckpt.engine.warmup import Warmup, persist_threads
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
@@ -176,9 +178,21 @@ class Checkpointer:
             budget_bytes=self.options.host_memory_budget_bytes, chunk_bytes=self.options.chunk_bytes
         )
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
-        self._workers = ThreadPoolExecutor(
-            self.options.workers, thread_name_prefix="flashckpt-persist"
+        o = self.options
+        threads = persist_threads(
+            workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
         )
+        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="flashckpt-persist")
+        # threads, chunk directories and the staging arena, ready before the first save
+        self._warmup = Warmup(
+            pool=self._pool,
+            executors=[(self._stager, 1), (self._workers, threads)],
+            stores=[t.store for t in self._tiers.tiers],
+            rank=self.rank,
+            async_save=o.async_save,
+            device=devices.current(),
+        )
+        self._warmup.start()
         # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
         self._fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self._fingerprinter = Fingerprinter() if incremental else None
@@ -188,9 +202,11 @@ class Checkpointer:
         self._damaged: set[int] = set()  # steps restore() found damaged in every tier
 
     def _stop_threads(self) -> None:
+        self._warmup.stop()
         self._gate.remove()
         self._stager.shutdown(wait=True)
         self._workers.shutdown(wait=True)
+        self._pool.close()
 
     def __enter__(self) -> Checkpointer:
         return self

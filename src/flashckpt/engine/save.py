@@ -114,7 +114,7 @@ class SaveJob:
                 f.result()
             self._raise_if_failed()
             manifest = self.build_manifest()
-            self.committer(manifest, self.ctx.store.chunk_dirs(self._p.written))
+            self.committer(manifest, [])  # each chunk's directory was fsynced after its rename
             self.release_pins()
             self.manifest = manifest
             self.ctx.fingerprints.update(self._new_fingerprints)
@@ -137,11 +137,14 @@ class SaveJob:
 
     def _stage_cpu(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         views = [p.numpy() for p in parts]
+        if self.ctx.pool is None:
+            # a synchronous save: the state cannot change until save() returns, so the workers
+            # hash and write straight from the live tensors, in parallel (no staging copy, and
+            # no hashing on the caller's thread ahead of the writes)
+            self._submit(ci, None, chunk, views, None)
+            return
         h = codecs.hash_parts(views)
         if self._reuse(ci, h, chunk.size):
-            return
-        if self.ctx.pool is None:
-            self._submit(ci, h, chunk, views, None)
             return
         pool = self.ctx.pool
         slot = self._acquire(chunk.size)
@@ -320,7 +323,11 @@ class SaveJob:
             ref = self.ctx.store.put_chunk(h, size, bufs, codec)
             with self._p.lock:
                 self._p.refs[h] = ref
-                self._p.written.append(h)
+                self._p.written.append(h)  # (a failure below still cleans it up)
+            # the rename durable too, here in the worker, while the other chunks are written:
+            # the commit then waits for no fsync of a chunk directory (one after another on
+            # the caller's thread, they cost a 123 MiB save 0.4-1.3 s, more than torch.save)
+            self.ctx.store.backend.sync_dirs(self.ctx.store.chunk_dirs([h]))
             self.handle.stats.stored_bytes += ref.stored_size
         except BaseException as exc:
             with self._p.lock:

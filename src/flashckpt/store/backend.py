@@ -135,6 +135,29 @@ class LocalBackend:
             os.close(dfd)
         return written
 
+    def make_dirs(self, dirs: Sequence[str]) -> None:
+        """Create the directories ``dirs`` (relative; missing parents too) ahead of the writes
+        that will need them, and make their entries durable: the parents and ancestors of new
+        directories are fsynced once each. Existing directories are left alone; a symlink is
+        refused like everywhere (StorageError)."""
+        parents: set[str] = set()
+        for d in dirs:
+            rel = check_relpath(d)
+            try:
+                fd = safeopen.open_dir(self.root, rel)
+            except FileNotFoundError:
+                fd = safeopen.open_dir(self.root, rel, create=True)
+                parts = rel.split("/")  # any ancestor may be new as well
+                parents.update("/".join(parts[:i]) for i in range(len(parts)))
+            except StorageError:
+                raise
+            except OSError as exc:
+                raise _storage_error("create", self._abs(rel), exc) from exc
+            os.close(fd)
+        if self.fsync:
+            for p in sorted(parents):
+                self._sync_dir(p)
+
     def _open_read(self, path: str) -> int:
         try:
             return safeopen.open_nofollow(self.root, path, os.O_RDONLY)
@@ -262,22 +285,25 @@ class LocalBackend:
         if not self.fsync:
             return
         for d in sorted(set(dirs)):
-            rel = "" if d in ("", ".") else d
-            try:
-                fd = safeopen.open_dir(self.root, rel)
-            except FileNotFoundError:
-                continue
-            except StorageError:
-                raise
-            except OSError as exc:
-                raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
-                    raise _storage_error("sync", self.root / rel, exc) from exc
-            finally:
-                os.close(fd)
+            self._sync_dir(d)
+
+    def _sync_dir(self, d: str) -> None:
+        rel = "" if d in ("", ".") else d
+        try:
+            fd = safeopen.open_dir(self.root, rel)
+        except FileNotFoundError:
+            return
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
+                raise _storage_error("sync", self.root / rel, exc) from exc
+        finally:
+            os.close(fd)
 
 
 READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing

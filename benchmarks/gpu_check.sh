@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU checks for flashckpt, in one call, about 4-6 minutes on an H200. From the repo root:
+# GPU checks for flashckpt, in one call, about 6-8 minutes on an H200. From the repo root:
 #
 #     OUT=/path/to/results bash benchmarks/gpu_check.sh
 #
 # Writes to $OUT (default ./out/gpu): gpu_check.log (everything), summary.txt (one rc line per
-# part), pytest_gpu.log, save_bench.{json,log}, loop_bench.{json,log}, memory_accuracy.{json,log}.
+# part), pytest_gpu.log, save_bench.{json,log}, loop_bench.{json,log}, memory_accuracy.{json,log}, restore_bench.{json,log}.
 # Each part runs under its own `timeout`, so one failure or hang does not stop the others.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ timeout 60 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', tor
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import flashckpt; print('flashckpt', flashckpt.__version__)" || { echo "flashckpt does not import"; exit 1; }
 
-PARTS="${PARTS:-pytest_gpu save_bench loop_bench memory_accuracy}"  # a subset reruns only those
+PARTS="${PARTS:-pytest_gpu save_bench loop_bench memory_accuracy restore_bench}"  # a subset reruns only those
 part() {  # part NAME SECONDS CMD...
   local name=$1 secs=$2
   shift 2
@@ -43,8 +43,11 @@ part pytest_gpu 60 "$PY" -m pytest -o addopts="" -m gpu -q -p no:cacheprovider \
 part save_bench 90 "$PY" benchmarks/save_bench.py --gpu --size-gb 1.2 --repeats 2 \
   --parts save,rss,gil --dir "$BENCH_DIR" --out "$OUT/save_bench.json"
 part loop_bench 120 "$PY" benchmarks/loop_bench.py --gpu --dir "$BENCH_DIR" --out "$OUT/loop_bench.json"
-part memory_accuracy 55 "$PY" benchmarks/memory_accuracy.py --time-limit-s 40 \
+part memory_accuracy 90 "$PY" benchmarks/memory_accuracy.py --time-limit-s 75 \
   --out "$OUT/memory_accuracy.json"
+# restore throughput against this machine's memcpy and raw disk read (issue 17), 16 cores
+part restore_bench 100 "$PY" benchmarks/restore_bench.py --size 1GiB --repeats 2 \
+  --dir "$BENCH_DIR/restore" --json "$OUT/restore_bench.json"
 rm -rf "$BENCH_DIR"
 echo "== done $(date -Is)"
 cat "$OUT/summary.txt"

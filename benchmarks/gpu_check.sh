@@ -46,6 +46,7 @@ part loop_bench 120 "$PY" benchmarks/loop_bench.py --gpu --dir "$BENCH_DIR" --ou
 part memory_accuracy 90 "$PY" benchmarks/memory_accuracy.py --time-limit-s 75 \
   --out "$OUT/memory_accuracy.json"
 # restore throughput against this machine's memcpy and raw disk read (issue 17), 16 cores
+mkdir -p "$BENCH_DIR/restore"
 part restore_bench 100 "$PY" benchmarks/restore_bench.py --size 1GiB --repeats 2 \
   --dir "$BENCH_DIR/restore" --json "$OUT/restore_bench.json"
 rm -rf "$BENCH_DIR"

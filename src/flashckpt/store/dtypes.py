@@ -6,6 +6,8 @@ dtype is rejected, so loading can never be steered into constructing arbitrary o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -93,7 +95,8 @@ def numpy_dtype(name: object) -> np.dtype:
     return NUMPY_DTYPES[name]
 
 
+@functools.lru_cache(maxsize=128)  # parsing a manifest asks once per tensor; errors are not cached
 def itemsize(kind: str, name: str) -> int:
     if kind == "numpy":
         return numpy_dtype(name).itemsize
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
+    return torch_dtype(name).itemsize

@@ -11,7 +11,8 @@ disk or remote tier is touched, every rank takes these steps together
 2. **Can it be assembled**: the lowest rank holding the candidate's manifest broadcasts it over
    the gloo side group; each rank names the chunks its restore reads (its restore plan) and
    the ranks exchange what their tiers lack and hold (:func:`flashckpt.dist.peerfetch.plan_fetch`:
-   real presence, not markers). A chunk no node holds: the next older candidate.
+   real presence, not markers). A chunk no node holds: every rank journals
+   ``peer_restore_skipped`` (step, why) and tries the next older candidate.
 3. **Fetch**: the chunks each node lacks come from the peers (verified,
    :func:`~flashckpt.dist.peerfetch.run_fetch`); each node's leader writes the manifest into its
    own tier if it lacks it. Every rank posts how that went (Store barrier): a failure on any rank
@@ -66,6 +67,9 @@ class PeerSource:
     # told when the side group failed under a fetch (gloo groups do not recover): replication
     # stops instead of waiting on a broken group
     broken: Callable[[BaseException], None] | None = None
+    # told (on every rank) which step was loaded from the node tiers: it may exist nowhere
+    # else, so the replicator queues it for the disk tier (dist/replicate.py, dist/nodepromote.py)
+    restored: Callable[[int], None] | None = None
 
 
 def peer_source(
@@ -75,11 +79,13 @@ def peer_source(
     channel: Callable[[], AbstractContextManager[Any]],
     journal: Journal,
     load_tier: Callable[[int, Any], None],
-    broken: Callable[[BaseException], None] | None = None,
+    replicator: Any = None,
 ) -> tuple[PeerSource, Callable[[int], Any]] | None:
     """The peer source of a Checkpointer whose memory tier is node-local (else None), and the
     load of the fallback path: the slower tiers only (a node's tier lacks other nodes' chunks,
-    which is no damage). ``load_tier(step, tier)`` loads one step from one tier."""
+    which is no damage). ``load_tier(step, tier)`` loads one step from one tier;
+    ``replicator``: the :class:`~flashckpt.dist.replicate.Replicator` (its ``broke`` and
+    ``restored``), if any."""
     mem = tiers.by_name("memory")
     if mem is None or mem.path is None or not getattr(mem, "node_local", False):
         return None
@@ -90,7 +96,8 @@ def peer_source(
         channel=channel,
         load=lambda s: load_tier(s, mem),
         journal=journal,
-        broken=broken,
+        broken=replicator.broke if replicator is not None else None,
+        restored=replicator.restored if replicator is not None else None,
     )
     slower = [t for t in tiers.tiers if t is not mem]
 
@@ -176,8 +183,9 @@ def _try_step(
     try:
         plan = plan_fetch(group, peer.store, refs, tier=peer.tier, error=error, window=window)
         if not plan.errors and plan.unheld():
-            log.info("step %d: %d chunk(s) are on no node's memory tier", cand, len(plan.unheld()))
-            return "next"
+            reason = f"{len(plan.unheld())} chunk(s) it needs are on no node's memory tier"
+            peer.journal.append("peer_restore_skipped", step=cand, reason=reason)
+            return "next"  # every rank saw the same plan: the same verdict everywhere
         stats, failure = _fetch(group, peer, plan, manifest, cand, have_manifest)
         fetched = barrier.exchange(f"peer-fetch-{cand}", {"ok": not failure, "error": failure})
         if not _all_ok(peer, fetched, cand, "fetching"):

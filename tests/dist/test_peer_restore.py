@@ -312,3 +312,42 @@ def test_a_changed_world_size_without_the_shards_falls_back_to_the_disk_with_a_r
     assert {e["rank"] for e in skipped} == {0, 1}, skipped
     assert STEPS[-1] in {e["step"] for e in skipped}
     assert all("on no node's memory tier" in e["reason"] for e in skipped), skipped
+
+
+def resume_job(rank: int, world: int, root: str, mem: str, per_node: int) -> int | None:
+    """Restore, then save three newer steps (keep_memory=1) and close."""
+    with Checkpointer(root, keep_memory=1, **_options(rank, mem, per_node)) as ck:
+        got = ck.restore(train_state(rank, 0))
+        for step in (4, 5, 6):
+            ck.save(step, train_state(rank, step)).durable.result(timeout=60)
+        ck._dist.replicator.drain()
+    return got
+
+
+def test_replicas_of_a_lost_node_are_freed_by_retention_as_new_steps_commit(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Node 0's tier holds replicas of node 1's rank for steps 1-3; node 1 is replaced and the
+    job goes on: as newer steps commit, retention drops the old steps and every chunk no kept
+    step names (the old replicas among them) is collected; the replica store stays bounded."""
+    from flashckpt.dist.transfer import rank_chunks
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    n0 = CheckpointStore(LocalBackend(mem_dir / "n0", fsync=False))
+    old = {
+        (r.hash, r.codec)
+        for s in n0.steps()
+        for r in rank_chunks(n0.load_manifest(s), 1)
+        if (mem_dir / "n0" / chunk_path(r.hash, r.codec)).exists()
+    }
+    assert old, "node 0 held replicas of rank 1"
+    shutil.rmtree(mem_dir / "n1")
+    assert _run(ranks, tmp_path, resume_job, 2, str(root), str(mem_dir), 1) == [STEPS[-1]] * 2
+    kept = n0.steps()
+    assert kept and min(kept) > STEPS[-1], kept
+    named = {(r.hash, r.codec) for s in kept for r in n0.load_manifest(s).chunks}
+    left = {x for x in old if (mem_dir / "n0" / chunk_path(*x)).exists()}
+    assert left <= named, f"{len(left - named)} old replica chunk(s) outlived their steps"

@@ -351,3 +351,31 @@ def test_replicas_of_a_lost_node_are_freed_by_retention_as_new_steps_commit(
     named = {(r.hash, r.codec) for s in kept for r in n0.load_manifest(s).chunks}
     left = {x for x in old if (mem_dir / "n0" / chunk_path(*x)).exists()}
     assert left <= named, f"{len(left - named)} old replica chunk(s) outlived their steps"
+
+
+def test_a_newest_step_the_node_tiers_cannot_assemble_comes_from_the_disk_not_an_older_one(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Node 1 is lost and node 0 lacks its replicas of the newest step only: the older steps
+    could still be assembled from the node tiers, but the disk tier holds the newest, so every
+    rank loads that one from the disk (no progress lost for a faster read)."""
+    from flashckpt.dist.transfer import rank_chunks
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    shutil.rmtree(mem_dir / "n1")
+    n0 = CheckpointStore(LocalBackend(mem_dir / "n0", fsync=False))
+    assert len(n0.steps()) > 1, "an older step is in the node tiers too"
+    older = {r.hash for s in n0.steps() if s != STEPS[-1] for r in n0.load_manifest(s).chunks}
+    newest = n0.load_manifest(STEPS[-1])
+    own = {r.hash for r in rank_chunks(newest, 0)} | older
+    gone = [r for r in rank_chunks(newest, 1) if r.hash not in own]
+    assert gone
+    for ref in gone:
+        (mem_dir / "n0" / chunk_path(ref.hash, ref.codec)).unlink(missing_ok=True)
+    res = _run(ranks, tmp_path, restore_job, 2, str(root), str(mem_dir), 1)
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert r["tiers"] == ["local"] and r["peer_bytes"] is None, r

@@ -5,9 +5,10 @@ the replicas of its peer node's, and a node that was replaced has an empty one. 
 disk or remote tier is touched, every rank takes these steps together
 (:func:`restore_from_peers`, called by :func:`flashckpt.dist.restore.restore_agreed`):
 
-1. **Which step**: every rank posts the steps its node's memory tier holds. The candidates are
-   the steps some node holds that are newer than every step only a slower tier has (or just the
-   requested step), newest first.
+1. **Which step**: every rank posts the steps its node's memory tier holds, rank 0 also those
+   of the slower (shared) tiers. The candidates are the steps some node holds that are no older
+   than the newest step of a slower tier (or just the requested step), newest first: a step the
+   nodes cannot assemble never makes the restore take an older one than the disk holds.
 2. **Can it be assembled**: the lowest rank holding the candidate's manifest broadcasts it over
    the gloo side group; each rank names the chunks its restore reads (its restore plan) and
    the ranks exchange what their tiers lack and hold (:func:`flashckpt.dist.peerfetch.plan_fetch`:
@@ -70,6 +71,9 @@ class PeerSource:
     # told (on every rank) which step was loaded from the node tiers: it may exist nowhere
     # else, so the replicator queues it for the disk tier (dist/replicate.py, dist/nodepromote.py)
     restored: Callable[[int], None] | None = None
+    # the steps the slower tiers hold (asked on rank 0 only: they are shared); None: unknown,
+    # the candidates are then bounded by the steps some rank sees only outside the memory tier
+    slower_steps: Callable[[], list[int]] | None = None
 
 
 def peer_source(
@@ -100,6 +104,7 @@ def peer_source(
         restored=replicator.restored if replicator is not None else None,
     )
     slower = [t for t in tiers.tiers if t is not mem]
+    source.slower_steps = lambda: sorted({s for t in slower for s in _steps(t)})
 
     def fallback(s: int) -> Any:
         return tiers.restore(s, [t for t in slower if _holds(t, s)], partial(load_tier, s))
@@ -108,10 +113,15 @@ def peer_source(
 
 
 def _holds(tier: Any, step: int) -> bool:
+    return step in _steps(tier)
+
+
+def _steps(tier: Any) -> list[int]:
     try:
-        return step in tier.store.steps()
-    except FlashCkptError:
-        return False
+        return list(tier.store.steps())
+    except FlashCkptError as exc:
+        log.warning("cannot list the %s tier: %s", tier.name, exc)
+        return []
 
 
 def restore_from_peers(
@@ -128,7 +138,9 @@ def restore_from_peers(
     ``prepare()`` runs before a restore plan is made (optimizer state, dist/restore.py)."""
     with peer.channel() as group:
         mem = _memory_steps(peer.store)
-        ready = barrier.exchange("peer-ready", {"ok": group is not None, "mem": mem})
+        slow = peer.slower_steps() if rank == 0 and peer.slower_steps is not None else None
+        post = {"ok": group is not None, "mem": mem, "slow": slow}
+        ready = barrier.exchange("peer-ready", post)
         if not all(v.get("ok") for v in ready):
             down = [r for r, v in enumerate(ready) if not v.get("ok")]
             peer.journal.append("peer_restore_skipped", reason=f"no side group on ranks {down}")
@@ -147,6 +159,10 @@ def peer_candidates(
     mem = {int(s) for v in ready for s in v["mem"]}
     if step is not None:
         return [step] if step in mem else []
+    slow = ready[0].get("slow")
+    if slow is not None:  # rank 0 listed the slower tiers: try no step older than theirs
+        floor = max((int(s) for s in slow), default=-1)
+        return sorted((s for s in mem if s >= floor), reverse=True)
     slower = {int(s) for v in values for s in v["steps"]} - mem
     floor = max(slower, default=-1)
     return sorted((s for s in mem if s > floor), reverse=True)

@@ -260,9 +260,15 @@ def test_a_changed_world_size_restores_from_the_node_tiers_bitwise(
 ) -> None:
     """Saved by 2 nodes x ``saved`` ranks, restored by 2 nodes x ``restored`` ranks from the
     same node tiers (each rank reads the shards and per-rank entry it needs), with the disk
-    tier's chunks hidden."""
+    tier's chunks hidden and the newest step only in the node tiers. With more ranks now, it
+    reaches the disk tier by close; with fewer, it cannot be copied there whole (the saving
+    ranks that are gone wrote chunks no rank copies): journaled, and never half-committed."""
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path, step_name
+
     root = tmp_path / "ckpt"
     _run(ranks, tmp_path, save_job, 2 * saved, str(root), str(mem_dir), saved)
+    (root / step_name(STEPS[-1])).unlink()
     world = 2 * restored
     with disk_chunks_hidden(root):
         res = _run(
@@ -279,10 +285,14 @@ def test_a_changed_world_size_restores_from_the_node_tiers_bitwise(
         assert r["step"] == STEPS[-1] and r["bitwise"], r
         assert r["tiers"] == ["memory"] and r["peer"], r
     skipped = [e for e in read_events(root) if e["event"] == "promote_failed"]
+    disk = CheckpointStore(LocalBackend(root, fsync=False))
     if saved > restored:  # fewer ranks now: the copy to the disk tier would leave holes
         assert skipped and "saved by 4 rank(s)" in skipped[-1]["error"], skipped
+        assert STEPS[-1] not in disk.steps()
     else:
         assert not skipped, skipped
+        refs = disk.load_manifest(STEPS[-1]).chunks
+        assert all((root / chunk_path(r.hash, r.codec)).exists() for r in refs)
 
 
 def test_a_changed_world_size_without_the_shards_falls_back_to_the_disk_with_a_reason(

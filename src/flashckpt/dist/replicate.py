@@ -151,21 +151,18 @@ class Replicator:
         self._queue(part.step)
 
     def restored(self, step: int) -> None:
-        """``step`` was restored from the node tiers (every rank calls this, after the restore
-        agreed): queue it like a new save, so the next round copies it to the disk tier if its
-        retention wants it (a step that lived only in the node tiers must not stay there
-        alone) and re-sends the replicas a replacement node lacks. Not when the step was saved
-        by more ranks than this job has: each rank copies the chunks the saving rank of its
-        number wrote, so the ranks that no longer exist would leave holes in the disk tier;
-        rank 0 journals ``promote_failed`` saying so. (With more ranks now, a chunk a rank's
-        node tier lacks fails the copy, journaled, and nothing is committed.)"""
+        """``step`` was loaded from the node tiers (on every rank): queue it like a new save,
+        so the next round copies it to the disk tier if wanted and re-sends the replicas a
+        replacement node lacks. Not when saved by more ranks than this job has (each rank
+        copies what the saving rank of its number wrote: the others would leave holes); rank 0
+        journals ``promote_failed`` then, if the disk tier wants the step."""
         try:
             saved = self.memory.store.load_manifest(step).world_size
         except FlashCkptError as exc:
             log.warning("step %d restored from peers is not queued for promotion: %s", step, exc)
             return
         if saved > self.world:
-            if self.rank == 0:
+            if self.rank == 0 and self._disk_wants(step):
                 error = (
                     f"step {step} was saved by {saved} rank(s) and restored from the node tiers "
                     f"on {self.world}: it stays in the memory tiers until a new save; the disk "
@@ -176,6 +173,12 @@ class Replicator:
                 )
             return
         self._queue(step)
+
+    def _disk_wants(self, step: int) -> bool:
+        try:
+            return self.local is not None and bool(self.tiers.wants(self.local, step))
+        except FlashCkptError:
+            return True  # say why it is not promoted rather than nothing
 
     def _queue(self, step: int) -> None:
         with self._cv:

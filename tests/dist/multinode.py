@@ -98,6 +98,8 @@ class Cluster:
             f"--kwargs={args}",
             f"--out={self.out}",
         ]
+        for r in self.ranks_of(i):  # a stale pid must never be killed
+            self.pid_file(r).unlink(missing_ok=True)
         self.logs[i] = self.tmp / f"node-{i}-{port}.log"
         log = open(self.logs[i], "wb")  # noqa: SIM115 - closed with the process
         try:
@@ -107,14 +109,33 @@ class Cluster:
         finally:
             log.close()
 
-    def kill_node(self, i: int) -> None:
-        """SIGKILL torchrun and every rank of node ``i`` (its whole process group)."""
+    def pid_file(self, rank: int) -> Path:
+        """Where rank ``rank`` records its pid when it starts (before its job runs)."""
+        return self.out / f"pid-{rank}"
+
+    def kill_node(self, i: int, timeout_s: float = 30.0) -> None:
+        """SIGKILL torchrun (its process group) and every rank of node ``i`` that recorded its
+        pid: torchrun starts each rank in a session of its own, which ``killpg`` of torchrun's
+        group does not reach. Returns when they are gone (or after ``timeout_s``)."""
+        files = [self.pid_file(r) for r in self.ranks_of(i)]
+        pids = [int(f.read_text()) for f in files if f.exists()]
         proc = self.procs[i]
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in pids:  # each rank leads a session of its own: the rank, then its children
+            for kill in (os.kill, os.killpg):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         proc.wait()
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for f in files:
+            f.unlink(missing_ok=True)
 
     def wait(self, timeout_s: float = 120.0) -> dict[int, int | None]:
         """Wait for every started node; their exit codes (None: killed after ``timeout_s``)."""
@@ -159,6 +180,15 @@ class Cluster:
         return "\n".join(parts)
 
 
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, waiting for its reaper, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def _failed(value: Any) -> bool:
     return isinstance(value, dict) and "error" in value and "tb" in value
 
@@ -169,6 +199,9 @@ def _main() -> None:
     parser.add_argument("--kwargs", required=True)
     parser.add_argument("--out", required=True)
     a = parser.parse_args()
+    pid = Path(a.out) / f"pid-{os.environ['RANK']}"  # Cluster.kill_node kills the ranks by these
+    pid.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid.with_suffix(".tmp").rename(pid)
     import torch
     import torch.distributed as dist
 

@@ -201,3 +201,191 @@ def test_fsdp2_shards_of_a_lost_node_come_back_from_its_peer(
     for r in res:
         assert r["step"] == 2 and r["peer"]
         assert _equal(r["state"], saved[0]), "model shards and optimizer state, bitwise"
+
+
+def restore_close_job(rank: int, world: int, root: str, mem: str, per_node: int) -> int | None:
+    with Checkpointer(root, **_options(rank, mem, per_node)) as ck:
+        got = ck.restore(train_state(rank, 0))
+    return got  # closed: what the replicator queued was copied before close returned
+
+
+def test_a_step_restored_from_peers_only_reaches_the_disk_tier_by_close(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """The newest step is in the node tiers only (the job died before its promotion round:
+    its manifest is removed from the disk tier); a replacement node restores it from its peer,
+    and the next replication round copies it to the disk tier, so closing leaves it there."""
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path, step_name
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    (root / step_name(STEPS[-1])).unlink()
+    shutil.rmtree(mem_dir / "n1")
+    got = _run(ranks, tmp_path, restore_close_job, 2, str(root), str(mem_dir), 1)
+    assert got == [STEPS[-1]] * 2
+    disk = CheckpointStore(LocalBackend(root, fsync=False))
+    assert STEPS[-1] in disk.steps(), "the restored step reached the disk tier"
+    manifest = disk.load_manifest(STEPS[-1])
+    missing = [r.hash for r in manifest.chunks if not (root / chunk_path(r.hash, r.codec)).exists()]
+    assert not missing, missing
+    with Checkpointer(root, fsync=False) as ck:  # the disk tier alone, one process
+        state = train_state(0, 0)
+        assert ck.restore(state) == STEPS[-1]
+    want = flat(train_state(0, STEPS[-1]))
+    assert all(torch.equal(want[k], v) for k, v in flat(state).items())
+
+
+def reshaped_restore_job(
+    rank: int, world: int, root: str, mem: str, per_node: int, saved_world: int
+) -> dict[str, Any]:
+    with Checkpointer(root, **_options(rank, mem, per_node)) as ck:
+        state = train_state(rank, 0)
+        got = ck.restore(state)
+    src = rank if rank < saved_world else 0  # a rank the saving job lacked: rank 0's entry
+    want = flat(train_state(src, got)) if got is not None else {}
+    have = flat(state)
+    events = [e for e in read_events(Path(root)) if e.get("rank") == rank]
+    return {
+        "step": got,
+        "bitwise": bool(want) and all(torch.equal(want[k], have[k]) for k in want),
+        "peer": any(e["event"] == "restored_from_peers" for e in events),
+        "tiers": [e["tier"] for e in events if e["event"] == "restore"],
+    }
+
+
+@pytest.mark.parametrize("saved,restored", [(2, 1), (1, 2)], ids=["4to2", "2to4"])
+def test_a_changed_world_size_restores_from_the_node_tiers_bitwise(
+    ranks: Any, tmp_path: Path, mem_dir: Path, saved: int, restored: int
+) -> None:
+    """Saved by 2 nodes x ``saved`` ranks, restored by 2 nodes x ``restored`` ranks from the
+    same node tiers (each rank reads the shards and per-rank entry it needs), with the disk
+    tier's chunks hidden and the newest step only in the node tiers. With more ranks now, it
+    reaches the disk tier by close; with fewer, it cannot be copied there whole (the saving
+    ranks that are gone wrote chunks no rank copies): journaled, and never half-committed."""
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path, step_name
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2 * saved, str(root), str(mem_dir), saved)
+    (root / step_name(STEPS[-1])).unlink()
+    world = 2 * restored
+    with disk_chunks_hidden(root):
+        res = _run(
+            ranks,
+            tmp_path,
+            reshaped_restore_job,
+            world,
+            str(root),
+            str(mem_dir),
+            restored,
+            2 * saved,
+        )
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert r["tiers"] == ["memory"] and r["peer"], r
+    skipped = [e for e in read_events(root) if e["event"] == "promote_failed"]
+    disk = CheckpointStore(LocalBackend(root, fsync=False))
+    if saved > restored:  # fewer ranks now: the copy to the disk tier would leave holes
+        assert skipped and "saved by 4 rank(s)" in skipped[-1]["error"], skipped
+        assert STEPS[-1] not in disk.steps()
+    else:
+        assert not skipped, skipped
+        refs = disk.load_manifest(STEPS[-1]).chunks
+        assert all((root / chunk_path(r.hash, r.codec)).exists() for r in refs)
+
+
+def test_a_changed_world_size_without_the_shards_falls_back_to_the_disk_with_a_reason(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Saved by 2 nodes x 2 ranks; node 1 is lost and node 0's tier has lost its replicas of
+    node 1's ranks: 2 nodes x 1 rank cannot assemble any step from the node tiers, so every
+    rank journals why and loads the newest step from the disk, bitwise (nothing half-loaded)."""
+    from flashckpt.dist.transfer import rank_chunks
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 4, str(root), str(mem_dir), 2)
+    shutil.rmtree(mem_dir / "n1")
+    n0 = CheckpointStore(LocalBackend(mem_dir / "n0", fsync=False))
+    for s in n0.steps():
+        m = n0.load_manifest(s)
+        own = {r.hash for q in (0, 1) for r in rank_chunks(m, q)}
+        for ref in [r for q in (2, 3) for r in rank_chunks(m, q) if r.hash not in own]:
+            (mem_dir / "n0" / chunk_path(ref.hash, ref.codec)).unlink(missing_ok=True)
+    res = _run(ranks, tmp_path, reshaped_restore_job, 2, str(root), str(mem_dir), 1, 4)
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert not r["peer"] and r["tiers"][-1] == "local", r
+    skipped = [e for e in read_events(root) if e["event"] == "peer_restore_skipped"]
+    assert {e["rank"] for e in skipped} == {0, 1}, skipped
+    assert STEPS[-1] in {e["step"] for e in skipped}
+    assert all("on no node's memory tier" in e["reason"] for e in skipped), skipped
+
+
+def resume_job(rank: int, world: int, root: str, mem: str, per_node: int) -> int | None:
+    """Restore, then save three newer steps (keep_memory=1) and close."""
+    with Checkpointer(root, keep_memory=1, **_options(rank, mem, per_node)) as ck:
+        got = ck.restore(train_state(rank, 0))
+        for step in (4, 5, 6):
+            ck.save(step, train_state(rank, step)).durable.result(timeout=60)
+        ck._dist.replicator.drain()
+    return got
+
+
+def test_replicas_of_a_lost_node_are_freed_by_retention_as_new_steps_commit(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Node 0's tier holds replicas of node 1's rank for steps 1-3; node 1 is replaced and the
+    job goes on: as newer steps commit, retention drops the old steps and every chunk no kept
+    step names (the old replicas among them) is collected; the replica store stays bounded."""
+    from flashckpt.dist.transfer import rank_chunks
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    n0 = CheckpointStore(LocalBackend(mem_dir / "n0", fsync=False))
+    old = {
+        (r.hash, r.codec)
+        for s in n0.steps()
+        for r in rank_chunks(n0.load_manifest(s), 1)
+        if (mem_dir / "n0" / chunk_path(r.hash, r.codec)).exists()
+    }
+    assert old, "node 0 held replicas of rank 1"
+    shutil.rmtree(mem_dir / "n1")
+    assert _run(ranks, tmp_path, resume_job, 2, str(root), str(mem_dir), 1) == [STEPS[-1]] * 2
+    kept = n0.steps()
+    assert kept and min(kept) > STEPS[-1], kept
+    named = {(r.hash, r.codec) for s in kept for r in n0.load_manifest(s).chunks}
+    left = {x for x in old if (mem_dir / "n0" / chunk_path(*x)).exists()}
+    assert left <= named, f"{len(left - named)} old replica chunk(s) outlived their steps"
+
+
+def test_a_newest_step_the_node_tiers_cannot_assemble_comes_from_the_disk_not_an_older_one(
+    ranks: Any, tmp_path: Path, mem_dir: Path
+) -> None:
+    """Node 1 is lost and node 0 lacks its replicas of the newest step only: the older steps
+    could still be assembled from the node tiers, but the disk tier holds the newest, so every
+    rank loads that one from the disk (no progress lost for a faster read)."""
+    from flashckpt.dist.transfer import rank_chunks
+    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.store import CheckpointStore, chunk_path
+
+    root = tmp_path / "ckpt"
+    _run(ranks, tmp_path, save_job, 2, str(root), str(mem_dir), 1)
+    shutil.rmtree(mem_dir / "n1")
+    n0 = CheckpointStore(LocalBackend(mem_dir / "n0", fsync=False))
+    assert len(n0.steps()) > 1, "an older step is in the node tiers too"
+    older = {r.hash for s in n0.steps() if s != STEPS[-1] for r in n0.load_manifest(s).chunks}
+    newest = n0.load_manifest(STEPS[-1])
+    own = {r.hash for r in rank_chunks(newest, 0)} | older
+    gone = [r for r in rank_chunks(newest, 1) if r.hash not in own]
+    assert gone
+    for ref in gone:
+        (mem_dir / "n0" / chunk_path(ref.hash, ref.codec)).unlink(missing_ok=True)
+    res = _run(ranks, tmp_path, restore_job, 2, str(root), str(mem_dir), 1)
+    for r in res:
+        assert r["step"] == STEPS[-1] and r["bitwise"], r
+        assert r["tiers"] == ["local"] and r["peer_bytes"] is None, r

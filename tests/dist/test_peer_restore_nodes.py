@@ -1,9 +1,10 @@
 """A whole node lost, with real processes: one torchrun per simulated node on loopback
 (:mod:`multinode`), each node with its own memory-tier directory. The job saves with
-``replicas=1``; every process of node 1 is SIGKILLed and its memory tier deleted (the survivors
-are killed too: the job restarts); a replacement node 1 starts with an empty memory tier and the
-job restores the newest step from its peer, with the disk tier's ``chunks/`` hidden (any disk
-read fails), bitwise equal to what was saved. Both tiers gone: the disk, still bitwise."""
+``replicas=1``; every process of node 1 is SIGKILLed (``Cluster.kill_node``) and its memory
+tier deleted (the survivors are killed too: the job restarts); a replacement node 1 starts with
+an empty memory tier and the job restores the newest step from its peer, with the disk tier's
+``chunks/`` hidden (any disk read fails), bitwise equal to what was saved. Both tiers gone: the
+disk, still bitwise."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def save_and_hold(rank: int, world: int, node: int, root: str, ready: str) -> No
         ck.save(step, train_state(rank, step)).wait(timeout=120)
     if ck._dist is not None and ck._dist.replicator is not None:
         ck._dist.replicator.drain()
-    Path(ready, f"rank-{rank}").write_text(str(os.getpid()))
+    Path(ready, f"rank-{rank}").touch()
     time.sleep(600)
 
 
@@ -88,30 +89,14 @@ def _train_then_lose_nodes(tmp: Path, shm: Path, per_node: int, lost: list[int])
     while len(list(ready.iterdir())) < cluster.world:
         if time.monotonic() > deadline or any(p.poll() is not None for p in cluster.procs.values()):
             for i in cluster.procs:
-                _kill_node(cluster, ready, i)
+                cluster.kill_node(i)
             pytest.fail(f"the job did not save every step:\n{cluster.tails()}")
         time.sleep(0.2)
     for node in (1, 0):  # node 1 is lost; the survivors are restarted with the job
-        _kill_node(cluster, ready, node)
+        cluster.kill_node(node)
     for i in lost:
         shutil.rmtree(shm / f"n{i}")
     return root
-
-
-def _kill_node(cluster: Cluster, ready: Path, node: int) -> None:
-    """SIGKILL torchrun and every rank of ``node`` (the ranks run in their own sessions, so
-    killing torchrun's process group alone leaves them running)."""
-    files = [ready / f"rank-{r}" for r in cluster.ranks_of(node)]
-    pids = [int(f.read_text()) for f in files if f.exists()]
-    cluster.kill_node(node)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _restart(tmp: Path, shm: Path, per_node: int, root: Path) -> dict[int, Any]:
@@ -154,3 +139,34 @@ def test_a_restarted_job_restores_from_the_node_tiers_with_zero_disk_reads(
     for r, value in res.items():
         assert value["step"] == STEPS[-1] and value["bitwise"], (r, value)
         assert value["tiers"] == ["memory"]
+
+
+def hold(rank: int, world: int, node: int, ready: str) -> None:
+    Path(ready, f"rank-{rank}").touch()
+    time.sleep(600)
+
+
+def test_kill_node_kills_every_rank_of_the_node(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own: killing torchrun's process group
+    alone would leave the ranks running."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    cluster = Cluster(tmp_path / "run", nodes=1, per_node=2)
+    cluster.start("test_peer_restore_nodes:hold", ready=str(ready))
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(ready.iterdir())) == 2, cluster.tails()
+    pids = [int(cluster.pid_file(r).read_text()) for r in (0, 1)]
+    cluster.kill_node(0)
+    alive = [p for p in pids if _state(p) not in ("Z", "gone")]
+    for p in alive:  # never leave them behind, even when the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"ranks {alive} survived kill_node"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return "gone"

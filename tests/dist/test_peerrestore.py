@@ -199,3 +199,13 @@ def test_peer_candidates_are_the_memory_steps_newer_than_any_slower_only_step() 
     assert peer_candidates(None, ready, values) == [6, 5, 4]
     assert peer_candidates(5, ready, values) == [5]
     assert peer_candidates(3, ready, values) == []
+
+
+def test_peer_candidates_are_no_older_than_the_newest_step_of_a_slower_tier() -> None:
+    ready = [{"mem": [4, 5, 6], "slow": [3, 5]}, {"mem": [4, 5], "slow": None}]
+    values = [{"steps": [3, 4, 5, 6]}, {"steps": [3, 4, 5]}]
+    assert peer_candidates(None, ready, values) == [6, 5], "never 4: the disk holds 5"
+    ready[0]["slow"] = [7]
+    assert peer_candidates(None, ready, values) == []
+    ready[0]["slow"] = []
+    assert peer_candidates(None, ready, values) == [6, 5, 4]

@@ -5,13 +5,15 @@ the replicas of its peer node's, and a node that was replaced has an empty one. 
 disk or remote tier is touched, every rank takes these steps together
 (:func:`restore_from_peers`, called by :func:`flashckpt.dist.restore.restore_agreed`):
 
-1. **Which step**: every rank posts the steps its node's memory tier holds. The candidates are
-   the steps some node holds that are newer than every step only a slower tier has (or just the
-   requested step), newest first.
+1. **Which step**: every rank posts the steps its node's memory tier holds, rank 0 also those
+   of the slower (shared) tiers. The candidates are the steps some node holds that are no older
+   than the newest step of a slower tier (or just the requested step), newest first: a step the
+   nodes cannot assemble never makes the restore take an older one than the disk holds.
 2. **Can it be assembled**: the lowest rank holding the candidate's manifest broadcasts it over
    the gloo side group; each rank names the chunks its restore reads (its restore plan) and
    the ranks exchange what their tiers lack and hold (:func:`flashckpt.dist.peerfetch.plan_fetch`:
-   real presence, not markers). A chunk no node holds: the next older candidate.
+   real presence, not markers). A chunk no node holds: every rank journals
+   ``peer_restore_skipped`` (step, why) and tries the next older candidate.
 3. **Fetch**: the chunks each node lacks come from the peers (verified,
    :func:`~flashckpt.dist.peerfetch.run_fetch`); each node's leader writes the manifest into its
    own tier if it lacks it. Every rank posts how that went (Store barrier): a failure on any rank
@@ -66,6 +68,12 @@ class PeerSource:
     # told when the side group failed under a fetch (gloo groups do not recover): replication
     # stops instead of waiting on a broken group
     broken: Callable[[BaseException], None] | None = None
+    # told (on every rank) which step was loaded from the node tiers: it may exist nowhere
+    # else, so the replicator queues it for the disk tier (dist/replicate.py, dist/nodepromote.py)
+    restored: Callable[[int], None] | None = None
+    # the steps the slower tiers hold (asked on rank 0 only: they are shared); None: unknown,
+    # the candidates are then bounded by the steps some rank sees only outside the memory tier
+    slower_steps: Callable[[], list[int]] | None = None
 
 
 def peer_source(
@@ -75,11 +83,13 @@ def peer_source(
     channel: Callable[[], AbstractContextManager[Any]],
     journal: Journal,
     load_tier: Callable[[int, Any], None],
-    broken: Callable[[BaseException], None] | None = None,
+    replicator: Any = None,
 ) -> tuple[PeerSource, Callable[[int], Any]] | None:
     """The peer source of a Checkpointer whose memory tier is node-local (else None), and the
     load of the fallback path: the slower tiers only (a node's tier lacks other nodes' chunks,
-    which is no damage). ``load_tier(step, tier)`` loads one step from one tier."""
+    which is no damage). ``load_tier(step, tier)`` loads one step from one tier;
+    ``replicator``: the :class:`~flashckpt.dist.replicate.Replicator` (its ``broke`` and
+    ``restored``), if any."""
     mem = tiers.by_name("memory")
     if mem is None or mem.path is None or not getattr(mem, "node_local", False):
         return None
@@ -90,9 +100,11 @@ def peer_source(
         channel=channel,
         load=lambda s: load_tier(s, mem),
         journal=journal,
-        broken=broken,
+        broken=replicator.broke if replicator is not None else None,
+        restored=replicator.restored if replicator is not None else None,
     )
     slower = [t for t in tiers.tiers if t is not mem]
+    source.slower_steps = lambda: sorted({s for t in slower for s in _steps(t)})
 
     def fallback(s: int) -> Any:
         return tiers.restore(s, [t for t in slower if _holds(t, s)], partial(load_tier, s))
@@ -101,10 +113,15 @@ def peer_source(
 
 
 def _holds(tier: Any, step: int) -> bool:
+    return step in _steps(tier)
+
+
+def _steps(tier: Any) -> list[int]:
     try:
-        return step in tier.store.steps()
-    except FlashCkptError:
-        return False
+        return list(tier.store.steps())
+    except FlashCkptError as exc:
+        log.warning("cannot list the %s tier: %s", tier.name, exc)
+        return []
 
 
 def restore_from_peers(
@@ -121,7 +138,9 @@ def restore_from_peers(
     ``prepare()`` runs before a restore plan is made (optimizer state, dist/restore.py)."""
     with peer.channel() as group:
         mem = _memory_steps(peer.store)
-        ready = barrier.exchange("peer-ready", {"ok": group is not None, "mem": mem})
+        slow = peer.slower_steps() if rank == 0 and peer.slower_steps is not None else None
+        post = {"ok": group is not None, "mem": mem, "slow": slow}
+        ready = barrier.exchange("peer-ready", post)
         if not all(v.get("ok") for v in ready):
             down = [r for r, v in enumerate(ready) if not v.get("ok")]
             peer.journal.append("peer_restore_skipped", reason=f"no side group on ranks {down}")
@@ -140,6 +159,10 @@ def peer_candidates(
     mem = {int(s) for v in ready for s in v["mem"]}
     if step is not None:
         return [step] if step in mem else []
+    slow = ready[0].get("slow")
+    if slow is not None:  # rank 0 listed the slower tiers: try no step older than theirs
+        floor = max((int(s) for s in slow), default=-1)
+        return sorted((s for s in mem if s >= floor), reverse=True)
     slower = {int(s) for v in values for s in v["steps"]} - mem
     floor = max(slower, default=-1)
     return sorted((s for s in mem if s > floor), reverse=True)
@@ -176,8 +199,9 @@ def _try_step(
     try:
         plan = plan_fetch(group, peer.store, refs, tier=peer.tier, error=error, window=window)
         if not plan.errors and plan.unheld():
-            log.info("step %d: %d chunk(s) are on no node's memory tier", cand, len(plan.unheld()))
-            return "next"
+            reason = f"{len(plan.unheld())} chunk(s) it needs are on no node's memory tier"
+            peer.journal.append("peer_restore_skipped", step=cand, reason=reason)
+            return "next"  # every rank saw the same plan: the same verdict everywhere
         stats, failure = _fetch(group, peer, plan, manifest, cand, have_manifest)
         fetched = barrier.exchange(f"peer-fetch-{cand}", {"ok": not failure, "error": failure})
         if not _all_ok(peer, fetched, cand, "fetching"):

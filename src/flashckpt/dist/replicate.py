@@ -34,8 +34,8 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,7 @@ class Replicator:
 
     def __init__(self, runtime: Any, *, tiers: Any, memory: Any, journal: Journal) -> None:
         nodes, rep = runtime.nodes, runtime.replication
-        self.rank = runtime.rank
+        self.rank, self.world = runtime.rank, runtime.world_size
         self.leader = nodes.is_leader(self.rank)
         self.tiers, self.memory, self.journal = tiers, memory, journal
         self.local = tiers.by_name("local")
@@ -148,10 +148,43 @@ class Replicator:
 
     def published(self, part: Manifest) -> None:
         """``part``'s step is published in every node tier: queue it (never blocks)."""
+        self._queue(part.step)
+
+    def restored(self, step: int) -> None:
+        """``step`` was loaded from the node tiers (on every rank): queue it like a new save,
+        so the next round copies it to the disk tier if wanted and re-sends the replicas a
+        replacement node lacks. Not when saved by more ranks than this job has (each rank
+        copies what the saving rank of its number wrote: the others would leave holes); rank 0
+        journals ``promote_failed`` then, if the disk tier wants the step."""
+        try:
+            saved = self.memory.store.load_manifest(step).world_size
+        except FlashCkptError as exc:
+            log.warning("step %d restored from peers is not queued for promotion: %s", step, exc)
+            return
+        if saved > self.world:
+            if self.rank == 0 and self._disk_wants(step):
+                error = (
+                    f"step {step} was saved by {saved} rank(s) and restored from the node tiers "
+                    f"on {self.world}: it stays in the memory tiers until a new save; the disk "
+                    "tier keeps its older steps"
+                )
+                self.journal.append(
+                    "promote_failed", step=step, src="memory", dst="local", error=error
+                )
+            return
+        self._queue(step)
+
+    def _disk_wants(self, step: int) -> bool:
+        try:
+            return self.local is not None and bool(self.tiers.wants(self.local, step))
+        except FlashCkptError:
+            return True  # say why it is not promoted rather than nothing
+
+    def _queue(self, step: int) -> None:
         with self._cv:
             if self.broken is not None or self._stopping:
                 return
-            self._q.pending.append(part.step)
+            self._q.pending.append(step)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="flashckpt-replicate", daemon=True
@@ -188,7 +221,9 @@ class Replicator:
             self.tiers.committed(manifest.step, local, manifest)  # to the remote, from disk
             self.tiers.retain(local)
         except FlashCkptError as exc:
-            log.warning("after promoting step %d to the %s tier: %s", manifest.step, local.name, exc)
+            log.warning(
+                "after promoting step %d to the %s tier: %s", manifest.step, local.name, exc
+            )
 
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.broken is None
@@ -206,7 +241,7 @@ class Replicator:
                 with self.side_lock:
                     self._round(newest)
             except Exception as exc:  # the side group (or the protocol) is gone for good
-                self._broke(exc)
+                self.broke(exc)
                 return
             finally:
                 with self._cv:
@@ -343,7 +378,9 @@ class Replicator:
             self.journal.append("replication_failed", step=step, error=reason, stopped=False)
         log.warning("step %d was not replicated: %s", step, reason)
 
-    def _broke(self, exc: BaseException) -> None:
+    def broke(self, exc: BaseException) -> None:
+        """The side group failed for good (here, or under a restore from peers): stop, suspend
+        the memory tier for saves, journal and record why."""
         reason = f"{type(exc).__name__}: {exc}"
         with self._cv:
             step = self._q.current

@@ -67,6 +67,8 @@ def restore_agreed(
             loaded = restore_from_peers(
                 barrier, dist.rank, peer, step, values, init.apply, state or {}
             )
+            if loaded is not None and peer.restored is not None:
+                peer.restored(loaded)  # it may be in the node tiers only: on to the disk tier
         if loaded is None:
             cands = _common(values) if node_local else list(values[0]["steps"])
             loaded = _agree_and_load(barrier, dist, store, step, cands, load, on_corrupt, init)

@@ -293,7 +293,7 @@ class DistRuntime:
                 channel=self.side_channel,
                 journal=journal,
                 load_tier=load_tier,
-                broken=getattr(self.replicator, "_broke", None),  # dist/replicate.py
+                replicator=self.replicator,
             )
             if found is not None:
                 peer, load = found

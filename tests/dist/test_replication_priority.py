@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from flashckpt.dist import replicate
-from flashckpt.dist.replicate import BACKGROUND_NICE, background_priority
+from flashckpt.dist.priority import BACKGROUND_NICE, background_priority
 
 linux_only = pytest.mark.skipif(
     not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"),
@@ -53,7 +53,7 @@ def test_the_replication_thread_lowers_its_priority_first(monkeypatch) -> None:
         seen.append(threading.get_native_id())
         raise Stop
 
-    monkeypatch.setattr(replicate, "background_priority", fake_priority)
+    monkeypatch.setattr(replicate, "background_priority", fake_priority)  # as imported there
     r = object.__new__(replicate.Replicator)  # only _run's first statement is under test
     with pytest.raises(Stop):
         r._run()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.nodepromote import promote_round
+from flashckpt.dist.priority import background_priority
 from flashckpt.dist.transfer import Exchange, ReplicationBroken, rank_chunks
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.journal import Journal
@@ -402,22 +402,3 @@ class Replicator:
                 self._write_record(reason)
             except (OSError, FlashCkptError) as err:
                 log.warning("cannot record that replication stopped: %s", err)
-
-
-BACKGROUND_NICE = 10
-
-
-def background_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux: per-thread nice): when training and
-    replication compete for a core, the scheduler gives it to training, so replication, which
-    training never waits for, takes longer instead of slowing the steps."""
-    get_id = getattr(threading, "get_native_id", None)
-    if get_id is None or not hasattr(os, "setpriority"):  # pragma: no cover - not Linux
-        return
-    try:
-        tid = get_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE)
-        )
-    except OSError as exc:  # pragma: no cover - a sandbox refusing it
-        log.debug("could not lower the replication thread's priority: %s", exc)

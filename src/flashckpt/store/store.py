@@ -86,13 +86,10 @@ class CheckpointStore:
         self, ref: ChunkRef, *, step: int | None = None, key: str | None = None
     ) -> bytes:
         """Raw bytes of a chunk, verified against its hash."""
-        where = f" (tensor {key!r}, step {step})" if key else ""
         try:
             stored = self.backend.read(chunk_path(ref.hash, ref.codec))
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"chunk {ref.hash} is missing{where}", step=step, key=key, chunk=ref.hash
-            ) from None
+            raise _missing(ref, step, key) from None
         try:
             raw = codecs.decode(stored, ref.codec, ref.size, chunk=ref.hash)
             self._check(ref, raw, step=step, key=key)
@@ -107,12 +104,7 @@ class CheckpointStore:
         try:
             n = self.backend.read_into(chunk_path(ref.hash, "raw"), out)
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"chunk {ref.hash} is missing (tensor {key!r}, step {step})",
-                step=step,
-                key=key,
-                chunk=ref.hash,
-            ) from None
+            raise _missing(ref, step, key) from None
         try:
             if n != ref.size:
                 raise CorruptCheckpointError(
@@ -136,12 +128,7 @@ class CheckpointStore:
         try:
             mapped = self.backend.map(chunk_path(ref.hash, "raw"))  # type: ignore[attr-defined]
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"chunk {ref.hash} is missing (tensor {key!r}, step {step})",
-                step=step,
-                key=key,
-                chunk=ref.hash,
-            ) from None
+            raise _missing(ref, step, key) from None
         raw = b"" if mapped is None else mapped
         try:
             self._check(ref, raw, step=step, key=key)  # a wrong length fails here too
@@ -212,3 +199,11 @@ class CheckpointStore:
 
     def part_names(self) -> list[str]:
         return [n for n in self.backend.list("steps") if PART_RE.match(n)]
+
+
+def _missing(ref: ChunkRef, step: int | None, key: str | None) -> CorruptCheckpointError:
+    """The error for a chunk a manifest names that is not in the store."""
+    where = f" (tensor {key!r}, step {step})" if key else ""
+    return CorruptCheckpointError(
+        f"chunk {ref.hash} is missing{where}", step=step, key=key, chunk=ref.hash
+    )

@@ -19,8 +19,8 @@ each of its ``sources``):
 
 The sender reads its chunks straight into the send buffer without hashing them again: the
 receiver's check is the one that counts. A chunk the sender cannot read is sent as zeros of the
-right size (the exchange stays in lockstep; the receiver's hash check fails it). Any gloo error or timeout raises
-:class:`ReplicationBroken`: the side group is unusable from then on.
+right size (the exchange stays in lockstep; the receiver's hash check fails it). Any gloo error
+or timeout raises :class:`ReplicationBroken`: the side group is unusable from then on.
 """
 
 from __future__ import annotations

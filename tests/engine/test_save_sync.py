@@ -184,3 +184,46 @@ def test_failed_chunk_directory_fsync_commits_nothing_and_cleans_up(tmp_path):
     after = {p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
     assert after == before, "chunks of the failed save were left behind"
     _roundtrip(tmp_path, state, 1)
+
+
+def test_sync_save_leaves_retention_to_the_staging_thread(tmp_path, monkeypatch):
+    """Regression: a synchronous save deleted the older checkpoints' chunks on the caller's
+    thread before returning (0.2 s of a 0.6 s save of a 123 MiB state on ext4: the unlinks).
+    Now the save returns once durable; retention follows on the staging thread, and the next
+    save, steps(), wait() and close() see it done."""
+    from flashckpt.engine.tiers import TierSet
+
+    where: list[str] = []
+    real = TierSet.retain
+
+    def spy(self, tier):
+        where.append(threading.current_thread().name)
+        return real(self, tier)
+
+    monkeypatch.setattr(TierSet, "retain", spy)
+    with flashckpt.Checkpointer(tmp_path, keep=2, chunk_size="256KiB") as ck:
+        for step in range(1, 5):
+            ck.save(step, _state(n=4, seed=step))
+        assert ck.steps() == [3, 4]
+    assert len(where) == 4 and all(n.startswith("flashckpt-stage") for n in where), where
+    files = {p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+    assert len(files) == 2 * (4 + 1)  # steps 3 and 4: 4 big chunks + 1 of the small ones each
+    _roundtrip(tmp_path, _state(n=4, seed=4), 4)
+
+
+def test_failed_retention_after_a_sync_save_is_logged_and_the_save_stands(
+    tmp_path, monkeypatch, caplog
+):
+    from flashckpt.engine.tiers import TierSet
+
+    def broken(self, tier):
+        raise flashckpt.errors.StorageError("listing steps/ failed (injected)")
+
+    monkeypatch.setattr(TierSet, "retain", broken)
+    with flashckpt.Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(1, _state(n=2))
+        ck.save(2, _state(n=2, seed=2))
+        ck.wait()
+        assert ck.steps() == [1, 2]  # nothing deleted, nothing lost
+    assert "retention after step 2 failed" in caplog.text and "injected" in caplog.text
+    _roundtrip(tmp_path, _state(n=2, seed=2), 2)

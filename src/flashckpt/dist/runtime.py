@@ -45,6 +45,7 @@ from flashckpt.dist.context import DistContext
 from flashckpt.dist.nodes import NodeMap, gather_nodes
 from flashckpt.dist.ownership import split_for_rank
 from flashckpt.dist.peerrestore import peer_source
+from flashckpt.dist.priority import with_background_priority
 from flashckpt.dist.restore import restore_agreed
 from flashckpt.dist.shared import check_shared
 from flashckpt.engine.options import Replication
@@ -120,7 +121,8 @@ class DistRuntime:
             )
             return cls(ctx)
         nodes.check_ring()  # the same NodeMap on every rank: they all raise or none does
-        group = _side_group(process_group, replication.timeout_s)
+        # created from a thread of background priority: gloo's own threads inherit it
+        group = with_background_priority(lambda: _side_group(process_group, replication.timeout_s))
         return cls(ctx, replication=replication, nodes=nodes, side_group=group)
 
     @property

@@ -75,7 +75,8 @@ def _train_until_saved(
     return proc, lines + out.splitlines() + [err]
 
 
-@pytest.mark.parametrize("emergency", [False, True])
+# emergency=False (15 s) in make test-slow: the emergency save path covers the same promotions
+@pytest.mark.parametrize("emergency", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sigterm_mid_save_finishes_save_and_promotions_then_exits_cleanly(
     tmp_path: Path, shm_dir: Path, s3_env: str, s3_bucket: str, emergency: bool
 ) -> None:

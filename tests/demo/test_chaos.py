@@ -9,7 +9,7 @@ import pytest
 
 from flashckpt.cli.chaos import table
 from flashckpt.demo.chaos import METHODS, failure_times, run_chaos
-from flashckpt.demo.chaos_stats import analyze, split_runs, surviving
+from flashckpt.demo.chaos_stats import analyze, baseline_step_s, split_runs, surviving
 from flashckpt.errors import ConfigError
 
 
@@ -53,8 +53,43 @@ def test_goodput_lost_steps_and_restart_breakdown() -> None:
     assert res.restart_parts_s["first_step"] == pytest.approx(1.0)
     assert res.cold_start_s == pytest.approx(1.0)  # first step at t=1 after spawn at t=0
     assert res.interval_s == pytest.approx(4.0)  # saves at steps 4, 8, 12
+    assert res.save_cost_s == pytest.approx(0.5)  # 1.5 s blocked beyond 1 s steps, 3 saves
     assert res.model_goodput is not None and 0.0 < res.model_goodput < 1.0
     assert "| 60.0% |" in table({"methods": {"x": res.as_dict()}})
+
+
+def test_useful_time_is_the_baseline_step_and_contention_counts_as_waste() -> None:
+    """Regression: useful time was surviving steps x the run's own median step, so a method
+    whose background copies slowed every step (median 1.2 s against 1.0 s undisturbed) was
+    credited with the slowdown as useful work, and its save cost (read from step-time
+    differences after saves) missed it."""
+    log = _log()
+    for r in log:
+        if r.get("event") == "step":
+            r["compute_s"] = 1.2
+    res = analyze(log, kills=[12.0], t0=0.0, t_end=25.0, base_step_s=1.0)
+    assert res.base_step_s == 1.0
+    assert res.useful_s == pytest.approx(15.0) and res.goodput == pytest.approx(15.0 / 25.0)
+    # steps after each process's first: 9 + 6 = 15, each 0.2 s slow; plus 1.5 s blocked
+    assert res.save_cost_s == pytest.approx((15 * 0.2 + 1.5) / 3)
+    own = analyze(log, kills=[12.0], t0=0.0, t_end=25.0)  # no baseline: its own median
+    assert own.useful_s == pytest.approx(15 * 1.2) and own.save_cost_s == pytest.approx(0.5)
+
+
+def test_a_save_that_did_not_block_still_counts_as_a_save() -> None:
+    log = _log()
+    for r in log:
+        if r.get("event") == "step" and r["step"] == 6:
+            r["saved"] = True  # staged with no measurable wait
+    res = analyze(log, kills=[12.0], t0=0.0, t_end=25.0)
+    assert res.saves == 4 and res.save_blocking_s == pytest.approx(1.5)
+
+
+def test_baseline_step_leaves_out_the_first_step() -> None:
+    log = [_start(0, 0.0), *_steps(1, 5, 0.0)]
+    log[1]["compute_s"] = 9.0  # the first step (allocator, autograd warm-up)
+    assert baseline_step_s(log) == pytest.approx(1.0)
+    assert baseline_step_s([_start(0, 0.0)]) is None
 
 
 def test_failure_times_are_seeded_and_exponential() -> None:
@@ -79,9 +114,11 @@ def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
     res = run_chaos(
         out=tmp_path, minutes=0.6, mtbf_s=10.0, methods=list(METHODS),
         model={"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}, threads=1,
-        kills=[15.0, 25.0], say=lambda _msg: None,
+        kills=[15.0, 25.0], baseline_steps=8, say=lambda _msg: None,
     )  # fmt: skip
     assert res["failure_times_s"] == [15.0, 25.0]
+    assert res["baseline"]["steps"] == 8 and res["baseline"]["step_s"] > 0
+    assert all(r["base_step_s"] == res["baseline"]["step_s"] for r in res["methods"].values())
     assert (
         json.loads((tmp_path / "chaos.json").read_text())["methods"].keys() == res["methods"].keys()
     )

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def table(result: dict[str, Any]) -> str:
     head = (
-        "| method | goodput | Daly model | failures | steps lost | blocking/save | "
+        "| method | goodput | Daly model | failures | steps lost | cost/save | "
         "restore | restart (kill→step) | restart / cold start |"
     )
     rows = [head, "|" + "---|" * 9]
@@ -61,5 +61,11 @@ def table(result: dict[str, Any]) -> str:
             f"| {name} | {r['goodput']:.1%} | {model} | {r['failures']} | {r['steps_lost']} | "
             f"{r['save_cost_s'] * 1e3:.0f} ms | {restore:.2f} s | "
             f"{'-' if restart is None else f'{restart:.2f} s'} | {ratio} |"
+        )
+    base = result.get("baseline")
+    if base:
+        rows.append(
+            f"\nuseful time per step: {base['step_s']:.3f} s (baseline, no checkpointing); "
+            f"cold start {base['cold_start_s']:.2f} s"
         )
     return "\n".join(rows)

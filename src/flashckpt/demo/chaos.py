@@ -5,7 +5,10 @@ For each method, train the demo GPT in a child process (:mod:`flashckpt.demo.cha
 (mean ``mtbf_s``, seeded, drawn once and used for every method) and restarts it at once, as a
 job scheduler restarting a failed job would. Then :mod:`flashckpt.demo.chaos_stats` computes
 goodput, lost steps, save blocking, restore and restart seconds from the child's log. The
-flashckpt run also gets its HTML report (from its journal).
+flashckpt run also gets its HTML report (from its journal). First a baseline process trains
+``baseline_steps`` steps with no checkpointing and no kills: its median step is the useful
+time of a step for every method (what checkpointing slows down counts as waste), and its
+start the cold start of the script with nothing to checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashckpt.demo.chaos_stats import analyze
+from flashckpt.demo.chaos_stats import analyze, baseline_step_s
 from flashckpt.errors import ConfigError
 from flashckpt.journal import read_events
 
@@ -56,11 +59,13 @@ def run_chaos(
     model: dict[str, int] | None = None,
     threads: int | None = None,
     kills: Sequence[float] | None = None,
+    baseline_steps: int = 20,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every method; returns (and writes to ``out/chaos.json``) the whole result.
     ``kills``: kill offsets to use instead of drawing them (e.g. a previous run's
-    ``failure_times_s``, to replay it)."""
+    ``failure_times_s``, to replay it); ``baseline_steps=0`` skips the baseline (each method's
+    own median step then stands in for the undisturbed one)."""
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ConfigError(f"unknown chaos method(s) {bad}; choose from {', '.join(METHODS)}")
@@ -84,9 +89,15 @@ def run_chaos(
         "model": model or MODEL,
         "methods": {},
     }
+    base_s = None
+    if baseline_steps > 0:
+        cfg = _config(out, "none", mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
+        result["baseline"] = _run_baseline(cfg, baseline_steps)
+        base_s = result["baseline"]["step_s"]
+        say(f"  baseline (no checkpointing): {base_s:.3f} s/step")
     for method in methods:
         cfg = _config(out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
-        res = _run_method(cfg, kills, duration)
+        res = _run_method(cfg, kills, duration, base_s)
         result["methods"][method] = res
         say(f"  {method}: goodput {res['goodput']:.1%}, {res['failures']} failures")
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
@@ -123,7 +134,26 @@ def _config(
     return cfg
 
 
-def _run_method(cfg: dict[str, Any], kills: Sequence[float], duration: float) -> dict[str, Any]:
+def _run_baseline(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps with no checkpointing and no kills, to the end."""
+    cfg["steps"] = steps
+    cfg_path = Path(cfg["log"]).with_name("config.json")
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    t0 = time.time()
+    proc = _spawn([sys.executable, "-m", "flashckpt.demo.chaos_train", str(cfg_path)])
+    if proc.wait() != 0:
+        raise RuntimeError(f"chaos baseline trainer exited with {proc.returncode}")
+    records = _read(Path(cfg["log"]))
+    steps_done = [r for r in records if r.get("event") == "step"]
+    step_s = baseline_step_s(records)
+    if step_s is None or not steps_done:
+        raise RuntimeError("chaos baseline trained no step")
+    return {"steps": len(steps_done), "step_s": step_s, "cold_start_s": steps_done[0]["t"] - t0}
+
+
+def _run_method(
+    cfg: dict[str, Any], kills: Sequence[float], duration: float, base_step_s: float | None
+) -> dict[str, Any]:
     cfg_path = Path(cfg["log"]).with_name("config.json")
     cmd = [sys.executable, "-m", "flashckpt.demo.chaos_train", str(cfg_path)]
     t0_mono, t0 = time.monotonic(), time.time()
@@ -149,7 +179,9 @@ def _run_method(cfg: dict[str, Any], kills: Sequence[float], duration: float) ->
         shutil.rmtree(cfg["memory"], ignore_errors=True)
     records = _read(Path(cfg["log"]))
     journal = read_events(cfg["root"]) if cfg["method"] == "flashckpt" else None
-    res = analyze(records, kills=killed_at, t0=t0, t_end=t_end, journal=journal).as_dict()
+    res = analyze(
+        records, kills=killed_at, t0=t0, t_end=t_end, journal=journal, base_step_s=base_step_s
+    ).as_dict()
     if cfg["method"] == "flashckpt":
         res["report"] = _report(Path(cfg["root"]))
     return res

@@ -6,8 +6,10 @@ record per step (compute and blocking seconds). Processes follow each other in t
 
 - **Useful work**: a step counts once, in the process whose work survived — process ``k``'s
   steps up to the step process ``k+1`` restored from (later ones were lost and redone). Useful
-  time = surviving steps × the median compute seconds of a step, so waits inside a step (an
-  optimizer hook waiting for staging) are not counted as useful.
+  time = surviving steps × the undisturbed step time ``base_step_s`` (the median step of the
+  baseline run, which trains with no checkpointing at all on the same machine), so whatever
+  checkpointing costs a step — a wait for staging, background copies competing for the cores
+  — counts as waste. Without a baseline the median step of the run itself stands in.
 - **Goodput** = useful time / wall time of the run.
 - **Restart** (per kill): kill → first completed step of the next process, split into process
   (kill → spawn), imports (interpreter start and imports), build (model and optimizer), restore
@@ -19,9 +21,11 @@ record per step (compute and blocking seconds). Processes follow each other in t
   whose kill instant precedes the kill before this one spans two failures (a restarted
   process killed before it opened its Checkpointer leaves no trace in the journal); the log's
   figure is used for it instead.
-- **Daly's model** at the measured save cost ``C`` (blocking per save plus the extra seconds of
-  the step after it), restart ``R``, failure rate (wall / failures) and mean seconds of work
-  between saves ``τ``: ``1 − expected_waste_fraction(τ, C, M, R)``.
+- **Daly's model** at the measured save cost ``C`` = (seconds the steps took beyond
+  ``base_step_s``, blocking included, over every step but each process's first) / saves, the
+  measured restart ``R`` less one undisturbed step (the first resumed step is useful work),
+  failure rate (wall / failures) and mean seconds of work between saves ``τ``:
+  ``1 − expected_waste_fraction(τ, C, M, R)``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class MethodResult:
     saves: int
     save_blocking_s: float
     save_cost_s: float
+    base_step_s: float
     interval_s: float | None
     restore_s: list[float]
     restart_s: list[float]
@@ -157,29 +162,30 @@ def analyze(
     t0: float,
     t_end: float,
     journal: Sequence[Mapping[str, Any]] | None = None,
+    base_step_s: float | None = None,
 ) -> MethodResult:
     """``kills``: wall-clock times (``time.time()``) of the SIGKILLs inside ``[t0, t_end]``;
     ``t0``: when the first process was started; ``t_end``: when the run was stopped;
-    ``journal``: the flashckpt method's journal events (its journaled restarts win)."""
+    ``journal``: the flashckpt method's journal events (its journaled restarts win);
+    ``base_step_s``: the undisturbed step time (:func:`baseline_step_s`)."""
     runs = split_runs(records)
     pids = {r.start.get("pid") for r in runs[1:]}
     journaled = {pid: e for pid, e in journaled_restarts(journal or ()).items() if pid in pids}
     kept = surviving(runs)
     every = [r for run in runs for r in run.steps]
-    step_s = statistics.median(r["compute_s"] for r in every) if every else 0.0
+    step_s = base_step_s or (statistics.median(r["compute_s"] for r in every) if every else 0.0)
     wall = t_end - t0
     useful = len(kept) * step_s
-    saves = [r for r in every if r.get("blocked_s", 0) > 0]
+    saves = [r for r in every if r.get("saved", r.get("blocked_s", 0) > 0)]
     blocking = sum(r["blocked_s"] for r in saves)
-    extra = _after_save_extra(runs, step_s)
-    cost = (blocking + extra) / len(saves) if saves else 0.0
+    cost = _overhead_s(runs, step_s) / len(saves) if saves else 0.0
     restart, parts, cold = _restarts(runs, kills, t0, journaled)
     saved_steps = sorted({r["step"] for r in saves})
     interval = _interval_s(saved_steps, step_s)
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
     return MethodResult(
         goodput=useful / wall if wall > 0 else 0.0,
-        model_goodput=_daly(interval, cost, wall, len(kills), mean(restart)),
+        model_goodput=_daly(interval, cost, wall, len(kills), max(0.0, mean(restart) - step_s)),
         wall_s=wall,
         useful_s=useful,
         failures=len(kills),
@@ -188,6 +194,7 @@ def analyze(
         saves=len(saves),
         save_blocking_s=blocking,
         save_cost_s=cost,
+        base_step_s=step_s,
         interval_s=interval,
         restore_s=[r.start["t_restored"] - r.start["t_restore"] for r in runs],
         restart_s=restart,
@@ -199,14 +206,16 @@ def analyze(
     )
 
 
-def _after_save_extra(runs: Sequence[Run], step_s: float) -> float:
-    """Seconds the step right after each save took beyond a median step (staging waits)."""
-    extra = 0.0
-    for run in runs:
-        for prev, cur in itertools.pairwise(run.steps):
-            if prev.get("blocked_s", 0) > 0:
-                extra += max(0.0, cur["compute_s"] - step_s)
-    return extra
+def _overhead_s(runs: Sequence[Run], step_s: float) -> float:
+    """Seconds the steps took beyond ``step_s`` (compute plus blocking), each process's first
+    step left out (it belongs to the restart)."""
+    return sum(r["compute_s"] + r["blocked_s"] - step_s for run in runs for r in run.steps[1:])
+
+
+def baseline_step_s(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """The median step of a baseline log (no checkpointing), its first step left out."""
+    steps = [r["compute_s"] for run in split_runs(records) for r in run.steps[1:]]
+    return statistics.median(steps) if steps else None
 
 
 def _interval_s(saved_steps: Sequence[int], step_s: float) -> float | None:

@@ -3,15 +3,17 @@
 Trains the demo GPT and checkpoints it with one method — ``flashckpt`` (memory tier + disk,
 async, the ``Auto`` interval), ``torch_save`` (``torch.save`` + fsync + rename) or
 ``dcp_async_save`` (``torch.distributed.checkpoint.async_save``) — resuming from that method's
-newest complete checkpoint. The peers save at the Young/Daly interval of their own measured
-cost: the same :class:`~flashckpt.policy.Auto` policy, fed their blocking time and step time.
+newest complete checkpoint; ``none`` (the baseline: no checkpointing, ``CFG["steps"]`` steps,
+no kills) measures the undisturbed step time and the cold start. The peers save at the
+Young/Daly interval of their own measured cost: the same :class:`~flashckpt.policy.Auto`
+policy, fed their blocking time and step time.
 
 It appends one JSON line per event to ``CFG["log"]`` (``start`` with the process start, import,
 restore and first-step times; then one ``step`` line per step with its compute and blocking
-seconds), which :mod:`flashckpt.demo.chaos_stats` turns into goodput. ``t_proc`` is when the
-driver spawned the process (``FLASHCKPT_CHAOS_SPAWN_T``): restart time includes the interpreter
-start and the imports. The chaos driver kills it
-with SIGKILL at random instants; nothing here knows when.
+seconds and whether it saved), which :mod:`flashckpt.demo.chaos_stats` turns into goodput.
+``t_proc`` is when the driver spawned the process (``FLASHCKPT_CHAOS_SPAWN_T``): restart time
+includes the interpreter start and the imports. The chaos driver kills it with SIGKILL at
+random instants; nothing here knows when.
 """
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ def main(cfg_path: str) -> int:
             keep_memory=KeepLast(2),
         )
         start = ckpt.restore(state) or 0
+    elif method == "none":
+        start = 0
     else:
         peer = _Peer(method, Path(cfg["root"]), state, mtbf_s)
         start = peer.restore()
@@ -190,13 +194,13 @@ def main(cfg_path: str) -> int:
         train_step(cfg, state, step)
         compute = time.perf_counter() - t0
         step_time = compute if step_time is None else 0.9 * step_time + 0.1 * compute
-        blocked = 0.0
+        blocked, saved = 0.0, False
         if ckpt is not None and ckpt.should_save(step):
-            blocked = ckpt.save(step, state).blocking_s
+            blocked, saved = ckpt.save(step, state).blocking_s, True
         elif peer is not None and peer.should_save(step, step_time):
-            blocked = peer.save(step)
+            blocked, saved = peer.save(step), True
         rec = {"event": "step", "step": step, "t": time.time(), "compute_s": compute}
-        rec["blocked_s"] = blocked
+        rec.update(blocked_s=blocked, saved=saved)
         log.write(json.dumps(rec) + "\n")
         log.flush()
     if ckpt is not None:

@@ -227,3 +227,44 @@ def test_failed_retention_after_a_sync_save_is_logged_and_the_save_stands(
         assert ck.steps() == [1, 2]  # nothing deleted, nothing lost
     assert "retention after step 2 failed" in caplog.text and "injected" in caplog.text
     _roundtrip(tmp_path, _state(n=2, seed=2), 2)
+
+
+def test_manifest_drafted_during_the_writes_equals_the_one_built_after(tmp_path):
+    """The tensor entries and their JSON are made while the workers write (engine/manifests.py
+    ``draft``), assuming chunk i is stored chunk i; the manifest on disk is the same as one
+    built from scratch after the writes, with distinct chunks and with duplicates (where the
+    draft does not hold and is not used)."""
+    from flashckpt.engine.manifests import job_manifest
+    from flashckpt.store.manifest import parse_manifest
+
+    seen: list = []
+    real = save_mod.SaveJob.build_manifest
+
+    def spy(self):
+        m = real(self)
+        again = job_manifest(
+            step=self.handle.step, hashes=self.hashes, refs=self._p.refs, chunks=self.chunks,
+            captured=self.captured, ctx=self.ctx, stats=m.stats,
+        )  # fmt: skip
+        again.time_s = m.time_s
+        seen.append((self._draft is not None, len(set(self.hashes)) < len(self.hashes)))
+        assert json_of(m) == json_of(again)
+        return m
+
+    def json_of(m):
+        import json
+
+        return json.loads(m.to_json())
+
+    same = torch.randn(64 * 1024)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="256KiB") as ck:
+        save_mod.SaveJob.build_manifest = spy
+        try:
+            ck.save(1, _state())
+            ck.save(2, {"a": same.clone(), "b": same.clone(), "c": torch.randn(64 * 1024)})
+        finally:
+            save_mod.SaveJob.build_manifest = real
+        on_disk = parse_manifest(ck.store.backend.read("steps/000000000001.json"))
+    assert seen == [(True, False), (True, True)]
+    assert on_disk.tensors == ck.store.load_manifest(1).tensors and len(on_disk.tensors) == 43
+    _roundtrip(tmp_path, _state(), 1)

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,7 @@ class Checkpointer:
         self.last_step: int | None = None
         self._meter = RunMeter()
         self._damaged: set[int] = set()  # steps restore() found damaged in every tier
+        self._retention: Future[None] | None = None  # a sync save's, still running (_retain)
 
     def _stop_threads(self) -> None:
         self._warmup.stop()
@@ -268,8 +269,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps in any tier, oldest first (after the last save's retention)."""
-        if not self._closed:
-            self._settle_background()
+        self._wait_retention()
         return self._tiers.steps()
 
     @property
@@ -313,7 +313,7 @@ class Checkpointer:
             self._inflight.wait_durable()  # counted in this save's blocking time
             self._raise_pending()
         if not self.options.async_save:
-            self._settle_background()  # the previous save's retention (see _retain)
+            self._wait_retention()  # the previous save's (see _retain)
         refuse_existing(self._tiers.tiers, step, damaged=self._damaged, journal=self.journal)
         captured = capture(state)
         if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
@@ -409,7 +409,7 @@ class Checkpointer:
         except FlashCkptError as exc:
             log.warning("promotion after step %d not queued: %s", step, exc)
         if later:
-            self._stager.submit(self._apply_retention, step, tier)
+            self._retention = self._stager.submit(self._apply_retention, step, tier)
         else:
             self._apply_retention(step, tier)
 
@@ -418,6 +418,12 @@ class Checkpointer:
             self._tiers.retain(tier)
         except FlashCkptError as exc:
             log.warning("retention after step %d failed: %s", step, exc)
+
+    def _wait_retention(self) -> None:
+        """Wait for the retention a synchronous save left running (see :meth:`_retain`)."""
+        pending, self._retention = self._retention, None
+        if pending is not None:
+            pending.result()  # _apply_retention logs its errors, never raises
 
     def _settle_background(self) -> None:
         """Wait for the staging thread's queued work (a sync save's retention, a durable

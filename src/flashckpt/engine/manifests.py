@@ -4,12 +4,35 @@ as extents of those chunks (the layout is engine/layout.py's)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from flashckpt.engine.context import SaveContext
 from flashckpt.engine.layout import ChunkPlan
 from flashckpt.state.capture import Captured
-from flashckpt.store.manifest import ChunkRef, Extent, Manifest, Shard, TensorEntry
+from flashckpt.store.manifest import (
+    ChunkRef,
+    Extent,
+    Manifest,
+    Shard,
+    TensorEntry,
+    tensors_json,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draft:
+    """A save's tensor entries and their JSON, made while its chunks are still being written,
+    on the assumption that no two chunks of the save have the same bytes (chunk ``i`` is then
+    stored chunk ``i``). :func:`job_manifest` uses it only when that held."""
+
+    tensors: dict[str, TensorEntry]
+    text: str
+
+
+def draft(*, chunks: list[ChunkPlan], captured: Captured, ctx: SaveContext) -> Draft:
+    tensors = _tensors(list(range(len(chunks))), chunks, captured, ctx)
+    return Draft(tensors=tensors, text=tensors_json(tensors))
 
 
 def job_manifest(
@@ -21,6 +44,7 @@ def job_manifest(
     captured: Captured,
     ctx: SaveContext,
     stats: dict[str, Any],
+    drafted: Draft | None = None,
 ) -> Manifest:
     """This rank's manifest of a save, once every chunk in ``hashes`` is durable."""
     order: dict[str, int] = {}
@@ -29,11 +53,36 @@ def job_manifest(
         if h not in order:
             order[h] = len(stored)
             stored.append(refs[h])
+    distinct = len(stored) == len(hashes)  # then chunk i is stored chunk i: the draft holds
+    if drafted is not None and distinct:
+        tensors = drafted.tensors
+    else:
+        tensors = _tensors([order[h] for h in hashes], chunks, captured, ctx)
+    manifest = Manifest(
+        step=step,
+        time_s=time.time(),
+        world_size=ctx.world_size,
+        tree=captured.tree,
+        tensors=tensors,
+        chunks=stored,
+        stats=stats,
+        library=ctx.library,
+    )
+    if drafted is not None and distinct:
+        manifest.prerender_tensors(drafted.text)
+    return manifest
+
+
+def _tensors(
+    stored_index: list[int], chunks: list[ChunkPlan], captured: Captured, ctx: SaveContext
+) -> dict[str, TensorEntry]:
+    """Each tensor's shard as extents of the stored chunks (``stored_index[ci]``: where chunk
+    ``ci`` of the layout is stored)."""
     extents: dict[int, list[Extent]] = {}
     for ci, chunk in enumerate(chunks):
         off = 0
         for piece in chunk.pieces:
-            ext = Extent(chunk=order[hashes[ci]], offset=off, length=piece.length)
+            ext = Extent(chunk=stored_index[ci], offset=off, length=piece.length)
             extents.setdefault(piece.item, []).append(ext)
             off += piece.length
     tensors = {}
@@ -51,13 +100,4 @@ def job_manifest(
             global_shape=item.global_shape,
             shards=(shard,),
         )
-    return Manifest(
-        step=step,
-        time_s=time.time(),
-        world_size=ctx.world_size,
-        tree=captured.tree,
-        tensors=tensors,
-        chunks=stored,
-        stats=stats,
-        library=ctx.library,
-    )
+    return tensors

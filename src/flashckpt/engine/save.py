@@ -26,7 +26,7 @@ from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
 from flashckpt.engine.hooks import MutationGuard
 from flashckpt.engine.layout import ChunkPlan
-from flashckpt.engine.manifests import job_manifest
+from flashckpt.engine.manifests import Draft, draft, job_manifest
 from flashckpt.engine.staging import StagingPool
 from flashckpt.errors import FlashCkptError, SaveError
 from flashckpt.state.capture import Captured
@@ -94,6 +94,7 @@ class SaveJob:
         self._stream: Any = None
         self._deferred: list[tuple[Any, ...]] = []
         self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
+        self._draft: Draft | None = None  # made while the chunks are written (manifests.py)
         self.t0 = time.perf_counter()
 
     @property
@@ -110,6 +111,8 @@ class SaveJob:
             stats.staged_s = time.perf_counter() - self.t0
             self.handle.staged.set_result(stats)
             self._flush()
+            # while the workers write: the manifest's tensor entries and their JSON
+            self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
             for f in self._p.pending:
                 f.result()
             self._raise_if_failed()
@@ -125,18 +128,23 @@ class SaveJob:
 
     # -- staging ----------------------------------------------------------------------------
     def _stage_all(self) -> None:
+        items = self.captured.items
+        host: dict[int, np.ndarray] = {}  # each CPU item's bytes as NumPy, made once per save
         for ci, chunk in enumerate(self.chunks):
             self._raise_if_failed()
-            parts = [
-                self.captured.items[p.item].data[p.start : p.start + p.length] for p in chunk.pieces
-            ]
-            if chunk.device == "cpu":
-                self._stage_cpu(ci, chunk, parts)
+            if chunk.device == "cpu":  # NumPy slices: a tenth of the cost of Tensor slices
+                views = []
+                for p in chunk.pieces:
+                    arr = host.get(p.item)
+                    if arr is None:
+                        arr = host[p.item] = items[p.item].data.numpy()
+                    views.append(arr[p.start : p.start + p.length])
+                self._stage_cpu(ci, chunk, views)
             else:
+                parts = [items[p.item].data[p.start : p.start + p.length] for p in chunk.pieces]
                 self._stage_device(ci, chunk, parts)
 
-    def _stage_cpu(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
-        views = [p.numpy() for p in parts]
+    def _stage_cpu(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
         if self.ctx.pool is None:
             # a synchronous save: the state cannot change until save() returns, so the workers
             # hash and write straight from the live tensors, in parallel (no staging copy, and
@@ -358,6 +366,7 @@ class SaveJob:
             captured=self.captured,
             ctx=self.ctx,
             stats=self.handle.stats.as_dict(),
+            drafted=self._draft,
         )
 
     def _fail(self, exc: BaseException) -> None:

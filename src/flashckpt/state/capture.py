@@ -87,6 +87,9 @@ def capture(state: Mapping[str, Any]) -> Captured:
     return out
 
 
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # the bytes of every empty tensor (never written)
+
+
 def _item(leaf: Leaf) -> TensorItem:
     v = leaf.value
     if isinstance(v, np.ndarray):
@@ -101,21 +104,24 @@ def _item(leaf: Leaf) -> TensorItem:
             data=torch.from_numpy(arr.reshape(-1).view(np.uint8)),
         )
     local, gshape, goffset, replicated = local_shard(v, leaf.key)
-    if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+    if local.layout != torch.strided or local.is_quantized or local.is_meta:
         raise UnsupportedStateError(
             f"tensor {leaf.key!r} is {local.layout}/{local.device.type}; flashckpt saves dense "
             "tensors with data (convert sparse/quantized tensors, materialise meta tensors)"
         )
     dtype = torch_dtype_name(local.dtype, leaf.key)
-    flat = local.detach().contiguous().reshape(-1)
-    data = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    if math.prod(local.shape) * local.element_size() != data.numel():
+    shape = tuple(local.shape)
+    flat = local.detach()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    data = flat.reshape(-1).view(torch.uint8) if flat.numel() else _EMPTY
+    if math.prod(shape) * local.element_size() != data.numel():
         raise UnsupportedStateError(f"tensor {leaf.key!r} has an unexpected memory layout")
     return TensorItem(
         key=leaf.key,
         kind="torch",
         dtype=dtype,
-        shape=tuple(local.shape),
+        shape=shape,
         global_shape=gshape,
         global_offset=goffset,
         data=data,

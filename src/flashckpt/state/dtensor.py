@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -9,7 +10,9 @@ import torch
 from flashckpt.errors import UnsupportedStateError
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
+    """DTensor's class, looked up once (capture asks for every tensor of every save)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed

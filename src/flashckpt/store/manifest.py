@@ -94,8 +94,28 @@ class Manifest:
     chunks: list[ChunkRef] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     library: str = ""
+    # the JSON text of ``tensors``, rendered ahead (a save renders it while its chunks are
+    # written); used only while ``tensors`` is that same dict with the same length
+    _tensors_json: tuple[dict[str, TensorEntry], int, str] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def prerender_tensors(self, text: str | None = None) -> str:
+        """Render ``tensors`` as JSON now (or adopt ``text``, rendered from this very dict) so
+        that :meth:`to_json` does not have to; returns the text."""
+        if text is None:
+            text = tensors_json(self.tensors)
+        self._tensors_json = (self.tensors, len(self.tensors), text)
+        return text
 
     def to_json(self) -> bytes:
+        pre = self._tensors_json
+        if pre is not None and pre[0] is self.tensors and pre[1] == len(self.tensors):
+            head = json.dumps(self._doc(with_tensors=False), separators=(",", ":"), allow_nan=False)
+            return (head[:-1] + ',"tensors":' + pre[2] + "}").encode()
+        return json.dumps(self._doc(), separators=(",", ":"), allow_nan=False).encode()
+
+    def _doc(self, *, with_tensors: bool = True) -> dict[str, Any]:
         doc = {
             "format": FORMAT,
             "version": VERSION,
@@ -104,12 +124,14 @@ class Manifest:
             "world_size": self.world_size,
             "library": self.library,
             "chunks": [c.to_json() for c in self.chunks],
-            "tensors": {k: _entry_json(e) for k, e in self.tensors.items()},
+            "tensors": {k: _entry_json(e) for k, e in self.tensors.items()} if with_tensors else {},
             "tree": self.tree,
             "rank_trees": self.rank_trees,
             "stats": self.stats,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        if not with_tensors:
+            del doc["tensors"]
+        return doc
 
     def chunk_hashes(self) -> set[str]:
         return {c.hash for c in self.chunks}
@@ -148,6 +170,12 @@ def check_allocatable(entry: TensorEntry, shape: tuple[int, ...] | None = None) 
             "larger machine",
             key=entry.key,
         )
+
+
+def tensors_json(tensors: dict[str, TensorEntry]) -> str:
+    """The JSON text of a manifest's ``tensors`` (what :meth:`Manifest.to_json` writes)."""
+    doc = {k: _entry_json(e) for k, e in tensors.items()}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
 def _entry_json(e: TensorEntry) -> dict[str, Any]:

@@ -476,5 +476,5 @@ class Checkpointer:
 
     def _restored(self, step: int) -> None:
         self.last_step = step
-        self._meter.saved(step, time.time())
+        self._meter.saved(step, time.time(), started=False)
         self._marker.restored(step)

@@ -154,3 +154,30 @@ def test_auto_learns_from_history_and_live_uptime() -> None:
     auto.should_save(stats(2, now_s=5000.0 + 10_000.0))  # 10000 s up without failure
     assert auto.last_decision is not None
     assert auto.last_decision["mtbf_s"] == pytest.approx((1000 + 70 + 10_000) / 2)
+
+
+def test_auto_cold_start_takes_the_cost_a_previous_process_measured() -> None:
+    """Regression (chaos run): after each restart Auto's cold start took C from the journal's
+    ``staged`` blocking (0.02 s) although the killed process had measured ~1 s per save with
+    the slowdown of the steps, so it saved every 2 steps until it re-measured. Now the cost
+    of the last ``interval`` decisions made on a measured cost wins."""
+    measured, prior = (
+        "daly optimum, measured save cost",
+        "daly optimum, prior (cold start) save cost",
+    )
+    floored = "floored at slowest-tier persist time (measured save cost)"
+    history = [
+        {"t": 0.0, "event": "run_start"},
+        {"t": 50.0, "event": "staged", "step": 5, "blocking_s": 0.02},
+        {"t": 60.0, "event": "interval", "cost_s": 0.01, "reason": prior},
+        {"t": 70.0, "event": "interval", "cost_s": 1.2, "reason": measured},
+        {"t": 80.0, "event": "interval", "cost_s": 0.8, "reason": floored},
+    ]
+    auto = Auto(mtbf_s=300.0, history=history)
+    auto.should_save(stats(1, now_s=100.0))
+    d = auto.take_decision()
+    assert d is not None and d["cost_s"] == pytest.approx(1.0)
+    assert d["reason"] == "daly optimum, journal history save cost"
+    only_blocking = Auto(mtbf_s=300.0, history=history[:2])
+    only_blocking.should_save(stats(1, now_s=100.0))
+    assert only_blocking.last_decision["cost_s"] == pytest.approx(0.02)

@@ -250,7 +250,8 @@ class Auto(_SaveComposable):
 
     Each step it computes ``τ = optimal_interval_s(C, M)`` (Young 1974 for small ``C/M``) where
 
-    - ``C`` is the measured mean blocking seconds per save (``RunStats.save_cost_s``);
+    - ``C`` is the measured mean cost of a save to the loop (``RunStats.save_cost_s``: blocking
+      plus the slowdown of the steps while it persisted, engine/meter.py);
     - ``M`` is :func:`~flashckpt.policy.interval.estimate_mtbf_s` over the journal history given
       to ``observe_history`` (the configured ``mtbf_s`` counts as ``prior_weight`` failure-free
       intervals), plus the failure-free time this process has run so far;
@@ -259,8 +260,10 @@ class Auto(_SaveComposable):
     - ``τ`` is converted to steps with the measured step time: save when
       ``step − last_save_step >= ceil(τ / step_time_s)``.
 
-    Cold start: until this process measured a save, ``C`` is the mean ``blocking_s`` of the last
-    saves in the journal history, else ``prior_cost_s``; likewise the step time and the persist
+    Cold start: until this process measured a save, ``C`` is the mean ``cost_s`` of the
+    journal's last ``interval`` decisions made on a measured cost (what an earlier process of
+    the run measured, slowdown of the steps included), else the mean ``blocking_s`` of the last
+    saves in the journal, else ``prior_cost_s``; likewise the step time and the persist
     time fall back to the journal's ``step_time`` and ``durable`` records. Without any step time it
     compares seconds since the last save with ``τ``; with neither, it waits.
 
@@ -306,8 +309,14 @@ class Auto(_SaveComposable):
         hist = crash_history(evs)
         self._uptime_s, self._failures = hist.uptime_s, hist.failures
         self._first_now_s = None
+        # the cost a previous run measured (blocking + slowdown of the steps in flight, in its
+        # ``interval`` decisions) beats the blocking alone that ``staged`` records hold
+        measured = [
+            e for e in evs if e.get("event") == "interval" and "measured" in str(e.get("reason"))
+        ]
+        cost = _recent_mean(_field(measured, "interval", "cost_s"))
         self._hist = {
-            "cost": _recent_mean(_field(evs, "staged", "blocking_s")),
+            "cost": cost if cost is not None else _recent_mean(_field(evs, "staged", "blocking_s")),
             "step": _recent_mean(_field(evs, "step_time", "seconds")),
             "persist": _recent_mean(_field(evs, "durable", "background_s")),
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,50 @@ def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
         assert 0.0 < r["goodput"] < 1.0, (name, r)
         assert r["restart_s"] and all(s > 0 for s in r["restart_s"]), (name, r)
     assert Path(res["methods"]["flashckpt"]["report"]).is_file()
+
+
+def test_a_method_that_fails_keeps_the_other_methods_results(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the 30-minute run's dcp_async_save trainer died (the disk filled up: the
+    peers' old checkpoints were never deleted), the driver raised, and the flashckpt and
+    torch_save results of the hour before were never written."""
+    from flashckpt.demo import chaos
+
+    def fake(cfg, kills, duration, base):
+        if cfg["method"] == "dcp_async_save":
+            raise RuntimeError("chaos trainer (dcp_async_save) exited with 1")
+        return {"goodput": 0.5, "failures": len(kills)}
+
+    monkeypatch.setattr(chaos, "_run_method", fake)
+    res = chaos.run_chaos(
+        out=tmp_path, minutes=1, mtbf_s=10, kills=[5.0], baseline_steps=0, say=lambda _m: None
+    )
+    written = json.loads((tmp_path / "chaos.json").read_text())
+    assert written["methods"]["flashckpt"] == {"goodput": 0.5, "failures": 1}
+    assert written["methods"]["torch_save"]["goodput"] == 0.5
+    assert "exited with 1" in written["methods"]["dcp_async_save"]["error"]
+    assert res == written
+
+
+@pytest.mark.parametrize("method", ["torch_save", "dcp_async_save"])
+def test_the_peers_keep_only_their_last_two_checkpoints_on_disk(tmp_path: Path, method) -> None:
+    """Regression: the peers unlinked old ``.done`` markers but kept every checkpoint's data,
+    so the 30-minute run filled the disk (40 GB) and the DCP trainer died of it."""
+    import torch
+
+    from flashckpt.demo.chaos_train import _Peer
+
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    (tmp_path / "7-999").mkdir()  # what a killed process left
+    (tmp_path / "7-999" / "x.distcp").write_bytes(b"partial")
+    peer = _Peer(method, tmp_path, state, mtbf_s=60.0)
+    for step in range(1, 6):
+        peer.save(step)
+        peer.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    if method == "torch_save":
+        assert names == ["4.done", "4.pt", "5.done", "5.pt"]
+    else:
+        assert names == [f"4-{os.getpid()}", "4.done", f"5-{os.getpid()}", "5.done"]
+    again = _Peer(method, tmp_path, state, mtbf_s=60.0)
+    assert again.restore() == 5

@@ -97,10 +97,15 @@ def run_chaos(
         say(f"  baseline (no checkpointing): {base_s:.3f} s/step")
     for method in methods:
         cfg = _config(out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
-        res = _run_method(cfg, kills, duration, base_s)
-        result["methods"][method] = res
-        say(f"  {method}: goodput {res['goodput']:.1%}, {res['failures']} failures")
-    (out / "chaos.json").write_text(json.dumps(result, indent=1))
+        try:
+            res = _run_method(cfg, kills, duration, base_s)
+        except Exception as exc:  # one method's failure must not lose the others' results
+            result["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"}
+            say(f"  {method}: FAILED ({exc}); see {Path(cfg['log']).parent}")
+        else:
+            result["methods"][method] = res
+            say(f"  {method}: goodput {res['goodput']:.1%}, {res['failures']} failures")
+        (out / "chaos.json").write_text(json.dumps(result, indent=1))  # after every method
     return result
 
 

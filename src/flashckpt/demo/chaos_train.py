@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,7 +75,8 @@ class _Peer:
             import torch.distributed.checkpoint as dcp
 
             sd = self._sd()
-            dcp.load(sd, checkpoint_id=str(self.root / str(step)), no_dist=True)
+            where = (self.root / f"{step}.done").read_text().strip() or str(step)
+            dcp.load(sd, checkpoint_id=str(self.root / where), no_dist=True)
         self.state["model"].load_state_dict(sd["model"])
         self.state["optim"].load_state_dict(sd["optim"])
         self.last = (step, time.time())
@@ -111,7 +113,10 @@ class _Peer:
             if self._pending is not None:
                 self._pending[1].result()
                 self._poll()
-            writer = dcp.FileSystemWriter(str(self.root / str(step)), sync_files=True)
+            # a directory of this process's own: a killed process may have left a partial
+            # one for the same step (its async write was in flight)
+            path = self.root / f"{step}-{os.getpid()}"
+            writer = dcp.FileSystemWriter(str(path), sync_files=True)
             fut = dcp.async_save(self._sd(), storage_writer=writer, no_dist=True)
             self._pending = (step, fut, t0)
         cost = time.perf_counter() - t0
@@ -123,14 +128,20 @@ class _Peer:
         if self._pending is not None and self._pending[1].done():
             step, fut, t0 = self._pending
             fut.result()
-            self._mark(step)
+            self._mark(step, f"{step}-{os.getpid()}")
             self.persist.append(time.perf_counter() - t0)
             self._pending = None
 
-    def _mark(self, step: int) -> None:
-        (self.root / f"{step}.done").write_text("")
-        for old in sorted(int(p.stem) for p in self.root.glob("*.done"))[:-2]:
-            (self.root / f"{old}.done").unlink()  # keep the last two; their data stays on disk
+    def _mark(self, step: int, where: str = "") -> None:
+        (self.root / f"{step}.done").write_text(where)  # the directory DCP wrote
+        done = sorted(int(p.stem) for p in self.root.glob("*.done"))
+        for old in done[:-2]:  # keep the last two complete checkpoints, delete the rest
+            (self.root / f"{old}.done").unlink()
+        keep = {f"{s}.pt" for s in done[-2:]}
+        keep |= {(self.root / f"{s}.done").read_text() or str(s) for s in done[-2:]}
+        for p in self.root.iterdir():  # older data, and what killed processes left
+            if p.suffix != ".done" and p.name not in keep:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def close(self) -> None:
         if self._pending is not None:

@@ -53,8 +53,9 @@ def job_manifest(
         if h not in order:
             order[h] = len(stored)
             stored.append(refs[h])
-    distinct = len(stored) == len(hashes)  # then chunk i is stored chunk i: the draft holds
-    if drafted is not None and distinct:
+    if len(stored) != len(hashes):  # chunk i is not stored chunk i: the draft does not hold
+        drafted = None
+    if drafted is not None:
         tensors = drafted.tensors
     else:
         tensors = _tensors([order[h] for h in hashes], chunks, captured, ctx)
@@ -68,7 +69,7 @@ def job_manifest(
         stats=stats,
         library=ctx.library,
     )
-    if drafted is not None and distinct:
+    if drafted is not None:
         manifest.prerender_tensors(drafted.text)
     return manifest
 

@@ -100,22 +100,17 @@ class Manifest:
         default=None, repr=False, compare=False
     )
 
-    def prerender_tensors(self, text: str | None = None) -> str:
-        """Render ``tensors`` as JSON now (or adopt ``text``, rendered from this very dict) so
-        that :meth:`to_json` does not have to; returns the text."""
-        if text is None:
-            text = tensors_json(self.tensors)
+    def prerender_tensors(self, text: str) -> None:
+        """Adopt ``text``, the JSON of this very ``tensors`` dict rendered ahead (a save renders
+        it while its chunks are written), so that :meth:`to_json` does not render it again."""
         self._tensors_json = (self.tensors, len(self.tensors), text)
-        return text
 
     def to_json(self) -> bytes:
         pre = self._tensors_json
         if pre is not None and pre[0] is self.tensors and pre[1] == len(self.tensors):
-            head = json.dumps(self._doc(with_tensors=False), separators=(",", ":"), allow_nan=False)
-            return (head[:-1] + ',"tensors":' + pre[2] + "}").encode()
-        return json.dumps(self._doc(), separators=(",", ":"), allow_nan=False).encode()
-
-    def _doc(self, *, with_tensors: bool = True) -> dict[str, Any]:
+            tensors = pre[2]
+        else:
+            tensors = tensors_json(self.tensors)
         doc = {
             "format": FORMAT,
             "version": VERSION,
@@ -124,14 +119,12 @@ class Manifest:
             "world_size": self.world_size,
             "library": self.library,
             "chunks": [c.to_json() for c in self.chunks],
-            "tensors": {k: _entry_json(e) for k, e in self.tensors.items()} if with_tensors else {},
             "tree": self.tree,
             "rank_trees": self.rank_trees,
             "stats": self.stats,
         }
-        if not with_tensors:
-            del doc["tensors"]
-        return doc
+        head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        return (head[:-1] + ',"tensors":' + tensors + "}").encode()
 
     def chunk_hashes(self) -> set[str]:
         return {c.hash for c in self.chunks}

@@ -77,6 +77,13 @@ def test_useful_time_is_the_baseline_step_and_contention_counts_as_waste() -> No
     assert own.useful_s == pytest.approx(15 * 1.2) and own.save_cost_s == pytest.approx(0.5)
 
 
+def test_steps_faster_than_the_baseline_cost_nothing_not_a_negative_cost() -> None:
+    """Regression: the smoke run's steps beat the baseline's, the save cost came out negative
+    and Daly's model raised ConfigError, failing every method."""
+    res = analyze(_log(), kills=[12.0], t0=0.0, t_end=25.0, base_step_s=2.0)
+    assert res.save_cost_s == 0.0 and res.model_goodput is not None
+
+
 def test_a_save_that_did_not_block_still_counts_as_a_save() -> None:
     log = _log()
     for r in log:

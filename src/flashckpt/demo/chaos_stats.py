@@ -178,7 +178,9 @@ def analyze(
     useful = len(kept) * step_s
     saves = [r for r in every if r.get("saved", r.get("blocked_s", 0) > 0)]
     blocking = sum(r["blocked_s"] for r in saves)
-    cost = _overhead_s(runs, step_s) / len(saves) if saves else 0.0
+    # steps faster than the baseline (noise, a short run) can make the sum negative: no
+    # measurable cost, not a negative one (Daly's model refuses negative costs)
+    cost = max(0.0, _overhead_s(runs, step_s) / len(saves)) if saves else 0.0
     restart, parts, cold = _restarts(runs, kills, t0, journaled)
     saved_steps = sorted({r["step"] for r in saves})
     interval = _interval_s(saved_steps, step_s)

@@ -1,7 +1,7 @@
 """flashckpt: checkpoints that do not stop training, and GPU memory that fits.
 
 The public face is small: :class:`Checkpointer`, :func:`restore` (read-only, no lock),
-:class:`SaveHandle`, :class:`RNG`,
+:class:`SaveHandle`, :class:`Promotion` (how the tiers below the fastest are fed), :class:`RNG`,
 :class:`ResumableSampler`, the errors, and the ``flashckpt.policy`` and ``flashckpt.memory``
 subpackages.
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from flashckpt import policy
     from flashckpt.engine.checkpointer import Checkpointer
     from flashckpt.engine.handle import SaveHandle, SaveStats
+    from flashckpt.engine.promote import Promotion
     from flashckpt.engine.readonly import restore
     from flashckpt.state.rng import RNG
     from flashckpt.state.sampler import ResumableSampler
@@ -47,6 +48,7 @@ _LAZY = {
     "Checkpointer": "flashckpt.engine.checkpointer",
     "SaveHandle": "flashckpt.engine.handle",
     "SaveStats": "flashckpt.engine.handle",
+    "Promotion": "flashckpt.engine.promote",
     "restore": "flashckpt.engine.readonly",
     "RNG": "flashckpt.state.rng",
     "ResumableSampler": "flashckpt.state.sampler",
@@ -78,6 +80,7 @@ __all__ = [
     "LockedError",
     "ManifestError",
     "NoCheckpointError",
+    "Promotion",
     "ResumableSampler",
     "SaveError",
     "SaveHandle",

@@ -113,6 +113,13 @@ def test_unknown_method_is_a_config_error(tmp_path: Path) -> None:
         run_chaos(out=tmp_path, minutes=1, mtbf_s=10, methods=["pickle"])
 
 
+@pytest.mark.parametrize("bad", [0, -3, 1.5])
+def test_promote_every_below_one_is_a_config_error(tmp_path: Path, bad) -> None:
+    with pytest.raises(ConfigError, match="promote-every"):
+        run_chaos(out=tmp_path, minutes=1, mtbf_s=10, promote_every=bad)
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
 @pytest.mark.timeout(600)
 def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
     """Real trainers, real SIGKILL at the same instants for each method (36 s each, the
@@ -122,9 +129,11 @@ def test_chaos_smoke_kills_and_resumes_every_method(tmp_path: Path) -> None:
     res = run_chaos(
         out=tmp_path, minutes=0.6, mtbf_s=10.0, methods=list(METHODS),
         model={"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}, threads=1,
-        kills=[15.0, 25.0], baseline_steps=8, say=lambda _msg: None,
+        kills=[15.0, 25.0], baseline_steps=8, promote_every=2, say=lambda _msg: None,
     )  # fmt: skip
-    assert res["failure_times_s"] == [15.0, 25.0]
+    assert res["failure_times_s"] == [15.0, 25.0] and res["promote_every"] == 2
+    cfg = json.loads((tmp_path / "flashckpt" / "config.json").read_text())
+    assert cfg["promote_every"] == 2
     assert res["baseline"]["steps"] == 8 and res["baseline"]["step_s"] > 0
     assert all(r["base_step_s"] == res["baseline"]["step_s"] for r in res["methods"].values())
     assert (

@@ -27,6 +27,12 @@ def register(sub: Any) -> None:
     p.add_argument("--out", default=None, help="also write the JSON result here")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
     p.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
+    p.add_argument(
+        "--promote-every",
+        type=int,
+        default=1,
+        help="flashckpt copies every K-th memory-tier checkpoint to disk (default 1: all)",
+    )
     p.set_defaults(func=run)
 
 
@@ -39,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=SMOKE_MODEL if args.small else None,
         threads=args.threads,
+        promote_every=args.promote_every,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

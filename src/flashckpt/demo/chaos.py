@@ -60,17 +60,21 @@ def run_chaos(
     threads: int | None = None,
     kills: Sequence[float] | None = None,
     baseline_steps: int = 20,
+    promote_every: int = 1,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every method; returns (and writes to ``out/chaos.json``) the whole result.
     ``kills``: kill offsets to use instead of drawing them (e.g. a previous run's
     ``failure_times_s``, to replay it); ``baseline_steps=0`` skips the baseline (each method's
-    own median step then stands in for the undisturbed one)."""
+    own median step then stands in for the undisturbed one). ``promote_every``: flashckpt copies
+    every that-many-th memory-tier checkpoint to disk (``Promotion(every=)``)."""
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ConfigError(f"unknown chaos method(s) {bad}; choose from {', '.join(METHODS)}")
     if minutes <= 0 or mtbf_s <= 0:
         raise ConfigError("chaos needs --minutes > 0 and --mtbf-s > 0")
+    if not isinstance(promote_every, int) or promote_every < 1:
+        raise ConfigError(f"chaos needs --promote-every >= 1, got {promote_every!r}")
     out = out.absolute()
     out.mkdir(parents=True, exist_ok=True)
     duration = minutes * 60.0
@@ -87,6 +91,7 @@ def run_chaos(
         "seed": seed,
         "failure_times_s": kills,
         "model": model or MODEL,
+        "promote_every": promote_every,
         "methods": {},
     }
     base_s = None
@@ -97,6 +102,9 @@ def run_chaos(
         say(f"  baseline (no checkpointing): {base_s:.3f} s/step")
     for method in methods:
         cfg = _config(out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
+        if method == "flashckpt":
+            cfg["promote_every"] = promote_every
+            Path(cfg["log"]).with_name("config.json").write_text(json.dumps(cfg, indent=1))
         try:
             res = _run_method(cfg, kills, duration, base_s)
         except Exception as exc:  # one method's failure must not lose the others' results

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import flashckpt
+from flashckpt import Promotion
 from flashckpt.demo.model import GPT, GPTConfig
 from flashckpt.policy import Auto, KeepLast
 from flashckpt.policy.save import RunStats
@@ -187,6 +188,7 @@ def main(cfg_path: str) -> int:
             save_policy=Auto(mtbf_s=mtbf_s),
             keep=KeepLast(2),
             keep_memory=KeepLast(2),
+            promotion=Promotion(every=int(cfg.get("promote_every", 1))),
         )
         start = ckpt.restore(state) or 0
     elif method == "none":

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine import device as devices
 from flashckpt.engine import exit as exits
+from flashckpt.engine.aftersave import AfterSave
 from flashckpt.engine.cadence import decide
 from flashckpt.engine.closing import empty_memory_tier
 from flashckpt.engine.context import build_context
@@ -36,16 +37,15 @@ from flashckpt.engine.promote import Promotion
 from flashckpt.engine.save import SaveJob
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.steps import holding, refuse_existing
-from flashckpt.engine.tiers import Tier, TierSet, build_tiers, release_locks
+from flashckpt.engine.tiers import TierSet, build_tiers, release_locks
 from flashckpt.engine.warmup import Warmup, persist_threads
-from flashckpt.errors import FlashCkptError
+from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
 from flashckpt.policy.save import SavePolicy, as_save_policy
 from flashckpt.state.capture import Captured, capture
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.lock import WriterLock
-from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -109,12 +109,19 @@ class Checkpointer:
         self._empty_memory = not keep_memory_after_close  # see engine/closing.py
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
+        self._promotion = promotion or Promotion()
+        replication = Replication.of(replicas)
+        if self._promotion.every > 1 and replication is not None:
+            raise ConfigError(
+                "Promotion(every=) > 1 does not work with replicas= yet (a replication round "
+                "promotes every replicated step to the disk tier); use one or the other"
+            )
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
             process_group=process_group,
             timeout_s=dist_timeout_s,
             on_busy=on_busy,
             root=self.root,
-            replication=Replication.of(replicas),  # peer copies of the memory tier
+            replication=replication,  # peer copies of the memory tier
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
@@ -128,7 +135,6 @@ class Checkpointer:
             self._lock.acquire()
             undo.callback(self._lock.release)
             self.journal = Journal(self.root / JOURNAL_NAME, rank=self.rank if self._dist else None)
-            self._promotion = promotion or Promotion()
             self._inflight = InFlight()
             tiers = build_tiers(  # memory -> local (root) -> remote; see engine/tiers.py
                 local=self.store,
@@ -178,6 +184,7 @@ class Checkpointer:
             budget_bytes=self.options.host_memory_budget_bytes, chunk_bytes=self.options.chunk_bytes
         )
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
+        self._after = AfterSave(self._tiers, self._stager)  # promotion + retention
         o = self.options
         threads = persist_threads(
             workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
@@ -200,7 +207,6 @@ class Checkpointer:
         self.last_step: int | None = None
         self._meter = RunMeter()
         self._damaged: set[int] = set()  # steps restore() found damaged in every tier
-        self._retention: Future[None] | None = None  # a sync save's, still running (_retain)
 
     def _stop_threads(self) -> None:
         self._warmup.stop()
@@ -227,6 +233,7 @@ class Checkpointer:
             self._wait_current()
         finally:
             self._stop_threads()
+            self._tiers.promote_deferred()
             if self._dist is not None:
                 self._dist.stop()
             p = self._preempt
@@ -247,7 +254,8 @@ class Checkpointer:
         if self._closed:
             return
         if exits.finish_in_flight(self._inflight, self.journal, wait_s):
-            self._settle_background()  # its durable callback has run
+            self._after.settle()  # its durable callback has run
+            self._tiers.promote_deferred()
             self._tiers.promoter.drain(self._promotion.close_timeout_s)
 
     def has_step(self, step: int) -> bool:
@@ -257,19 +265,19 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the in-flight save (if any) is durable; raise its error."""
         self._wait_current()
-        self._settle_background()
+        self._after.settle()
         self._raise_pending()
 
     def wait_promoted(self, timeout_s: float | None = None) -> bool:
         """Block until the in-flight save is durable and every queued promotion to slower tiers
         finished (or gave up); False when ``timeout_s`` ran out first."""
         self._wait_current()
-        self._settle_background()  # its durable callback queued the promotion
+        self._after.settle()  # its durable callback queued the promotion
         return self._tiers.promoter.drain(timeout_s)
 
     def steps(self) -> list[int]:
         """Committed steps in any tier, oldest first (after the last save's retention)."""
-        self._wait_retention()
+        self._after.wait()
         return self._tiers.steps()
 
     @property
@@ -313,7 +321,7 @@ class Checkpointer:
             self._inflight.wait_durable()  # counted in this save's blocking time
             self._raise_pending()
         if not self.options.async_save:
-            self._wait_retention()  # the previous save's (see _retain)
+            self._after.wait()  # the previous save's retention (engine/aftersave.py)
         refuse_existing(self._tiers.tiers, step, damaged=self._damaged, journal=self.journal)
         captured = capture(state)
         if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
@@ -361,7 +369,7 @@ class Checkpointer:
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard
         )
         if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
-            retain = lambda: self._retain(handle.step, tier)  # noqa: E731
+            retain = lambda: self._after(handle.step, tier)  # noqa: E731
             return self._dist.job(retain=retain, **common)
         return SaveJob(**common)
 
@@ -391,44 +399,7 @@ class Checkpointer:
         tier = job.tier if job.tier is not None else self._tiers.fastest
         self.journal.append("durable", tier=tier.name, **s.durable_fields())
         if self._dist is None:  # distributed: rank 0 retains inside the commit
-            self._retain(handle.step, tier, job.manifest, later=not self.options.async_save)
-
-    def _retain(
-        self, step: int, tier: Tier, manifest: Manifest | None = None, *, later: bool = False
-    ) -> None:
-        """Queue promotion to the slower tiers, then apply the save tier's retention + gc.
-
-        Retention deletes older checkpoints' files (0.2 s for a 123 MiB state on ext4, half a
-        synchronous save), so it runs on the staging thread, never on the caller's: an async
-        save is already there; a synchronous one (``later=True``) returns once durable and its
-        retention follows while training runs (the next save, ``wait()``, ``steps()`` and
-        ``close()`` wait for it, so at most one is pending and tier space is freed before the
-        next save picks a tier)."""
-        try:
-            self._tiers.committed(step, tier, manifest)  # None: read it back
-        except FlashCkptError as exc:
-            log.warning("promotion after step %d not queued: %s", step, exc)
-        if later:
-            self._retention = self._stager.submit(self._apply_retention, step, tier)
-        else:
-            self._apply_retention(step, tier)
-
-    def _apply_retention(self, step: int, tier: Tier) -> None:
-        try:
-            self._tiers.retain(tier)
-        except FlashCkptError as exc:
-            log.warning("retention after step %d failed: %s", step, exc)
-
-    def _wait_retention(self) -> None:
-        """Wait for the retention a synchronous save left running (see :meth:`_retain`)."""
-        pending, self._retention = self._retention, None
-        if pending is not None:
-            pending.result()  # _apply_retention logs its errors, never raises
-
-    def _settle_background(self) -> None:
-        """Wait for the staging thread's queued work (a sync save's retention, a durable
-        callback)."""
-        self._stager.submit(lambda: None).result()
+            self._after(handle.step, tier, job.manifest, later=not self.options.async_save)
 
     def _wait_current(self) -> None:
         self._inflight.wait_durable()

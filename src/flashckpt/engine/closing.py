@@ -8,7 +8,8 @@ the memory tier as it is, and journals ``memory_kept`` with the reason, when
 
 * promotions to the slower tiers did not finish within the close timeout;
 * any memory-tier step has no committed copy in a slower tier (a promotion that failed or was
-  dropped, or a slower tier whose retention does not keep that step);
+  dropped, or a slower tier whose retention does not keep that step), except the steps that
+  ``Promotion(every=)`` kept in memory on purpose, older than a step a slower tier holds;
 * a slower tier cannot be listed (unreachable remote).
 
 The Checkpointer calls it only for a single process (no torch.distributed: each node's memory
@@ -49,6 +50,9 @@ def empty_memory_tier(tiers: TierSet, journal: Journal, timeout_s: float | None)
         steps = mem.store.steps()
         slower = [set(t.store.steps()) for t in tiers.tiers[1:]]
         only_here = [s for s in steps if not any(s in held for held in slower)]
+        if tiers.promote_every > 1:  # older steps the cadence kept out of the slower tiers
+            newest = max((max(held) for held in slower if held), default=None)
+            only_here = [s for s in only_here if newest is None or s > newest]
         if only_here:
             _kept(journal, "steps not committed in a slower tier", only_here)
             return left

@@ -56,6 +56,12 @@ class Promotion:
     promotion (besides the one being copied); ``on_full``: ``"skip"`` drops the oldest waiting
     step when a newer one arrives, ``"wait"`` (default) makes the newer one wait for room.
     ``stop_timeout_s``: how long ``close()`` waits for the copy in progress to stop.
+    ``every``: promote only every ``every``-th step committed in the fastest tier (the first
+    one of each process, then every ``every``-th; ``close()`` always promotes the newest one).
+    The others live in the fastest tier only: a memory-tier step survives the process
+    crashing, not the node, so ``every=10`` with the memory tier trades node-loss protection
+    at a tenth of the checkpoints for a save that costs training only its memory copy. It
+    counts saves, not seconds, so the ranks of a distributed job promote the same steps.
     """
 
     retries: int = 8
@@ -66,8 +72,12 @@ class Promotion:
     max_queued: int = 2
     on_full: str = "wait"
     stop_timeout_s: float = 120.0
+    every: int = 1
 
     def __post_init__(self) -> None:
+        e = self.every
+        if not isinstance(e, int) or isinstance(e, bool) or e < 1:
+            raise ConfigError(f"Promotion(every=) must be an int >= 1, got {e!r}")
         if not isinstance(self.retries, int) or self.retries < 1:
             raise ConfigError(f"Promotion(retries=) must be an int >= 1, got {self.retries!r}")
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:

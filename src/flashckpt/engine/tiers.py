@@ -177,6 +177,10 @@ class TierSet:
         self.pinned = extra_pins  # chunks of the save in flight, for a collection outside retain
         self._extra_pins = extra_pins
         self._gc_lock = threading.Lock()
+        self.promote_every = promotion.every
+        self._cadence_lock = threading.Lock()
+        self._counted = 0  # steps committed in the fastest tier by this process
+        self.deferred: int | None = None  # the newest of them not queued for promotion
         self.promoter = Promoter(
             options=promotion,
             journal=journal,
@@ -250,10 +254,15 @@ class TierSet:
         )
         return nxt
 
-    def committed(self, step: int, tier: Tier, manifest: Manifest | None = None) -> None:
-        """A step is durable in ``tier``: queue its promotion to the slower tiers."""
+    def committed(
+        self, step: int, tier: Tier, manifest: Manifest | None = None, *, force: bool = False
+    ) -> None:
+        """A step is durable in ``tier``: queue its promotion to the slower tiers (from the
+        fastest tier, only every ``Promotion.every``-th step unless ``force``)."""
         slower = self.tiers[self.tiers.index(tier) + 1 :]
         if not slower or tier.node_local:
+            return
+        if tier is self.fastest and not self._due(step, force):
             return
         m = manifest if manifest is not None else tier.store.load_manifest(step)
         pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)
@@ -261,6 +270,30 @@ class TierSet:
             step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time(), pin=pin
         )
         self.promoter.submit(task)
+
+    def _due(self, step: int, force: bool) -> bool:
+        with self._cadence_lock:
+            due = force or self._counted % self.promote_every == 0
+            self._counted += 1
+            if due:
+                if self.deferred is not None and self.deferred <= step:
+                    self.deferred = None
+            elif self.deferred is None or step > self.deferred:
+                self.deferred = step
+            return due
+
+    def promote_deferred(self) -> None:
+        """Queue the newest step the cadence left in the fastest tier (``close()``: the last
+        checkpoint of a run always reaches the slower tiers)."""
+        with self._cadence_lock:
+            step, self.deferred = self.deferred, None
+        if step is None:
+            return
+        try:
+            if step in self.fastest.store.steps():
+                self.committed(step, self.fastest, force=True)
+        except FlashCkptError as exc:
+            log.warning("cannot queue the promotion of step %d at close: %s", step, exc)
 
     def wants(self, dst: Tier, step: int) -> bool:
         """True when ``dst`` lacks ``step`` and its retention policy would keep it."""

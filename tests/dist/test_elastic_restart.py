@@ -47,7 +47,7 @@ def _torchrun(nproc: int, tmp: Path, *, steps: int, kill: int) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])  # 17 s each
 def test_torchrun_max_restarts_resumes_in_place_from_memory(tmp_path: Path, nproc: int) -> None:
     expected = _straight(6)
     for r, got in enumerate(_torchrun(nproc, tmp_path, steps=6, kill=3)):

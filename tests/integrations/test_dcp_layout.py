@@ -84,7 +84,7 @@ def trained_root(tmp_path: Path) -> tuple[Path, dict[str, object]]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: 12 s
 def test_export_loads_with_dcp_users_own_state(tmp_path: Path, world: int) -> None:
     root, want = trained_root(tmp_path)
     out = tmp_path / "dcp"
@@ -94,7 +94,7 @@ def test_export_loads_with_dcp_users_own_state(tmp_path: Path, world: int) -> No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: 12 s
 def test_import_of_dcp_save_restores_model_and_optimizer(tmp_path: Path, world: int) -> None:
     src = tmp_path / "torch-dcp"
     want = run_worker("save", src, tmp_path / "want.pt", world)

@@ -37,7 +37,8 @@ from flashckpt.engine.promote import Promotion
 from flashckpt.engine.save import SaveJob
 from flashckpt.engine.staging import StagingPool
 from flashckpt.engine.steps import holding, refuse_existing
-from flashckpt.engine.tiers import TierSet, build_tiers, release_locks
+from flashckpt.engine.tierbuild import build_tiers, release_locks
+from flashckpt.engine.tiers import TierSet
 from flashckpt.engine.warmup import Warmup, persist_threads
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal

@@ -85,3 +85,82 @@ def test_checkpointer_feeds_the_policy_the_slowdown_of_steps_while_persisting(
             clock["t"] += 1.1 if step == 6 else 0.1
             ck.should_save(step)
     assert seen[-1] == pytest.approx(1.0) and seen[-1] > handle.blocking_s
+
+
+def test_a_save_costs_its_promotion_too() -> None:
+    """Regression: the cost ended when the save was durable in the memory tier, so the copy to
+    disk that followed (read back, verify, write, fsync: on a busy CPU as much as the save)
+    slowed steps no save was charged for, and Auto saved too often for the real cost."""
+    import threading
+
+    m = RunMeter()
+    t, step = _run(m, [1.0] * 5)
+    m.saved(step, t)
+    promoted = threading.Event()
+    t, step = _run(m, [1.2], t, step)
+    m.durable(blocking_s=0.05, background_s=1.0, until=promoted)
+    t, step = _run(m, [1.5, 1.5], t, step)  # promoting: not final yet
+    assert m.stats(step, t).save_cost_s is None
+    promoted.set()
+    t, step = _run(m, [1.1, 1.0], t, step)  # the interval that saw the promotion end
+    assert m.stats(step, t).save_cost_s == pytest.approx(0.2 + 0.5 + 0.5 + 0.1)
+    assert m._flight is None and m._until is None
+
+
+def test_a_promotion_still_running_at_the_next_save_charges_what_it_added_so_far() -> None:
+    import threading
+
+    m = RunMeter()
+    t, step = _run(m, [1.0] * 5)
+    m.saved(step, t)
+    t, step = _run(m, [1.3], t, step)
+    m.durable(blocking_s=0.05, background_s=1.0, until=threading.Event())  # never set
+    t, step = _run(m, [1.4], t, step)
+    m.saved(step, t)  # the next save overtakes it
+    assert m.stats(step, t).save_cost_s == pytest.approx(0.3 + 0.4)
+
+
+def test_checkpointer_charges_a_save_until_its_promotion_ended(tmp_path, monkeypatch) -> None:
+    """Through the public API: a memory tier and a disk tier whose promotion is held until the
+    test lets it go; the steps in between are charged to the save."""
+    import threading
+
+    from flashckpt.engine import cadence, tiercopy
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(cadence.time, "time", lambda: clock["t"])
+    gate = threading.Event()
+    real_copy = tiercopy.copy_step
+
+    def held_copy(*args, **kwargs):
+        assert gate.wait(30)
+        return real_copy(*args, **kwargs)
+
+    from flashckpt.engine import promote
+
+    monkeypatch.setattr(promote, "copy_step", held_copy)
+    seen: list = []
+
+    class Spy(flashckpt.policy.EverySteps):
+        def should_save(self, stats):
+            seen.append(stats.save_cost_s)
+            return False
+
+    state = {"w": torch.randn(64 * 1024)}
+    with flashckpt.Checkpointer(
+        tmp_path / "root", memory_tier=tmp_path / "mem", async_save=True, save_policy=Spy(10**9)
+    ) as ck:
+        for step in range(1, 6):
+            clock["t"] += 0.1
+            ck.should_save(step)
+        ck.save(5, state)
+        ck.wait()  # durable in memory; the promotion waits for the gate
+        for step in (6, 7):
+            clock["t"] += 0.6
+            ck.should_save(step)
+        assert seen[-1] is None  # still promoting: no cost yet
+        gate.set()
+        assert ck.wait_promoted(30)
+        clock["t"] += 0.1
+        ck.should_save(8)
+    assert seen[-1] == pytest.approx(0.5 + 0.5, abs=0.01)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from flashckpt.errors import FlashCkptError
 
 if TYPE_CHECKING:
+    from flashckpt.engine.promote import PromoteTask
     from flashckpt.engine.tiers import Tier, TierSet
     from flashckpt.store.manifest import Manifest
 
@@ -35,17 +36,20 @@ class AfterSave:
 
     def __call__(
         self, step: int, tier: Tier, manifest: Manifest | None = None, *, later: bool = False
-    ) -> None:
+    ) -> PromoteTask | None:
         """Queue ``step``'s promotion (``manifest`` None: read back), then apply ``tier``'s
-        retention: now (on the staging thread already), or ``later`` on it."""
+        retention: now (on the staging thread already), or ``later`` on it. Returns the
+        promotion queued, if any."""
+        task = None
         try:
-            self._tiers.committed(step, tier, manifest)
+            task = self._tiers.committed(step, tier, manifest)
         except FlashCkptError as exc:
             log.warning("promotion after step %d not queued: %s", step, exc)
         if later:
             self._pending = self._stager.submit(self._retain, step, tier)
         else:
             self._retain(step, tier)
+        return task
 
     def _retain(self, step: int, tier: Tier) -> None:
         try:

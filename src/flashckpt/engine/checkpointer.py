@@ -396,11 +396,15 @@ class Checkpointer:
             return
         s = handle.stats
         self.last_step = handle.step
-        self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s)
         tier = job.tier if job.tier is not None else self._tiers.fastest
         self.journal.append("durable", tier=tier.name, **s.durable_fields())
+        promotion = None
         if self._dist is None:  # distributed: rank 0 retains inside the commit
-            self._after(handle.step, tier, job.manifest, later=not self.options.async_save)
+            later = not self.options.async_save
+            promotion = self._after(handle.step, tier, job.manifest, later=later)
+        # the save's cost to training runs until its promotion ended too (engine/meter.py)
+        until = promotion.done if promotion is not None else None
+        self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)
 
     def _wait_current(self) -> None:
         self._inflight.wait_durable()

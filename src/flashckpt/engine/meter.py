@@ -5,13 +5,17 @@ blocked: while a save persists in the background its copies, hashing and writes 
 training for the cores and the memory bus (on a CPU-bound loop, most of the cost). So the
 meter keeps the median of *clean* step intervals (no save in flight) and charges each save the
 excess of every interval it was in flight over that median, its blocking included (the
-interval holding ``save()``); the figure is final at the first tick after it is durable. With
-no clean interval measured yet, or no tick during the save, a save costs its blocking time.
+interval holding ``save()``); the figure is final at the first tick after it is durable and its
+promotion to the slower tiers ended (copying the step to disk, read back and verified, costs
+training about as much as the save itself; a cost that left it out made ``Auto`` save too
+often). A save that a next one overtakes costs what it added up to then. With no clean
+interval measured yet, or no tick during the save, a save costs its blocking time.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +40,7 @@ class RunMeter:
     _clean: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     _flight: list[float] | None = None  # [excess so far, blocking] of the save in flight
     _durable_seen: bool = False  # the save in flight is durable (set by the durable callback)
+    _until: threading.Event | None = None  # ... and its promotion ends when this is set
 
     def tick(self, step: int, now_s: float) -> float | None:
         """Record that ``step`` completed at ``now_s``; returns the mean step time."""
@@ -54,9 +59,10 @@ class RunMeter:
             return
         if self._clean:
             flight[0] += max(0.0, seconds - steps * statistics.median(self._clean))
-        if self._durable_seen:  # this interval saw the end of the save: its cost is final
+        until = self._until
+        if self._durable_seen and (until is None or until.is_set()):  # it ended: cost final
             self._costs.append(max(flight[0], flight[1]) if self._clean else flight[1])
-            self._flight, self._durable_seen = None, False
+            self._flight, self._durable_seen, self._until = None, False, None
 
     def journal_due(self, every: int = 50) -> bool:
         if self._since_journal >= every and self._step_times:
@@ -71,18 +77,23 @@ class RunMeter:
             self._settle()  # an earlier save that no tick saw end costs its blocking time
             self._flight, self._durable_seen = [0.0, 0.0], False
 
-    def durable(self, *, blocking_s: float, background_s: float) -> None:
+    def durable(
+        self, *, blocking_s: float, background_s: float, until: threading.Event | None = None
+    ) -> None:
+        """The save in flight is durable; ``until``: the event its promotion sets at its end."""
         self._persist.append(background_s)
         if self._flight is None:
             self._costs.append(blocking_s)
             return
         self._flight[1] = blocking_s
+        self._until = until
         self._durable_seen = True
 
     def _settle(self) -> None:
-        if self._flight is not None and self._durable_seen:
-            self._costs.append(self._flight[1])
-        self._flight, self._durable_seen = None, False
+        flight = self._flight
+        if flight is not None and self._durable_seen:  # durable; its promotion outlived it
+            self._costs.append(max(flight[0], flight[1]) if self._clean else flight[1])
+        self._flight, self._durable_seen, self._until = None, False, None
 
     def stats(self, step: int, now_s: float) -> RunStats:
         return RunStats(

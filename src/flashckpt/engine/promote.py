@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from flashckpt.engine.tiercopy import ChunkCopier, PromotionStopped, copy_step
@@ -103,6 +103,7 @@ class PromoteTask:
     dsts: list[Tier]
     queued_t: float
     pin: Pin  # the source step's chunks, until the task ends or is dropped
+    done: threading.Event = field(default_factory=threading.Event)  # ended, or dropped
 
 
 class Promoter:
@@ -185,6 +186,8 @@ class Promoter:
             self._release_cb(task)
         except Exception as exc:  # never let the promotion thread die on it
             log.warning("releasing the pins of step %d failed: %s", task.step, exc)
+        finally:
+            task.done.set()
 
     def pending(self) -> list[int]:
         with self._cv:

@@ -143,20 +143,22 @@ class TierSet:
 
     def committed(
         self, step: int, tier: Tier, manifest: Manifest | None = None, *, force: bool = False
-    ) -> None:
+    ) -> PromoteTask | None:
         """A step is durable in ``tier``: queue its promotion to the slower tiers (from the
-        fastest tier, only every ``Promotion.every``-th step unless ``force``)."""
+        fastest tier, only every ``Promotion.every``-th step unless ``force``); returns the
+        task queued (its ``done`` is set when it ended), None when nothing was."""
         slower = self.tiers[self.tiers.index(tier) + 1 :]
         if not slower or tier.node_local:
-            return
+            return None
         if tier is self.fastest and not self._due(step, force):
-            return
+            return None
         m = manifest if manifest is not None else tier.store.load_manifest(step)
         pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)
         task = PromoteTask(
             step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time(), pin=pin
         )
         self.promoter.submit(task)
+        return task
 
     def _due(self, step: int, force: bool) -> bool:
         with self._cadence_lock:

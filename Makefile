@@ -33,8 +33,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# two pytest workers (pytest-xdist; the tests wait on subprocesses, ranks and disks a lot, so
+# two workers overlap that waiting on 2 cores); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -62,7 +62,7 @@ class DistSaveJob(SaveJob):
         *,
         attempt: SaveAttempt,
         per_rank: list[str],
-        retain: Callable[[], None] | None,
+        retain: Callable[[], object] | None,
         nodes: NodeMap | None = None,
         published: Callable[[Manifest], None] | None = None,
         **kwargs: Any,

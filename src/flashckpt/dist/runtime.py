@@ -243,7 +243,7 @@ class DistRuntime:
         """The tier of this save, chosen by rank 0 for every rank (phase ``plan``)."""
         return self._require_attempt().plan(tiers, nbytes)
 
-    def job(self, *, retain: Callable[[], None] | None, **kwargs: Any) -> DistSaveJob:
+    def job(self, *, retain: Callable[[], object] | None, **kwargs: Any) -> DistSaveJob:
         attempt = self._require_attempt()
         tier = kwargs.get("tier")
         published: Callable[[Manifest], None] | None = None

@@ -52,6 +52,16 @@ from flashckpt.store.store import CheckpointStore
 log = logging.getLogger(__name__)
 
 
+def _promotion(promotion: Promotion | None, replication: Replication | None) -> Promotion:
+    p = promotion or Promotion()
+    if p.every > 1 and replication is not None:
+        raise ConfigError(
+            "Promotion(every=) > 1 does not work with replicas= yet (a replication round "
+            "promotes every replicated step to the disk tier); use one or the other"
+        )
+    return p
+
+
 class Checkpointer:
     """Save and restore training state; see the README for the whole story.
 
@@ -110,75 +120,86 @@ class Checkpointer:
         self._empty_memory = not keep_memory_after_close  # see engine/closing.py
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
-        self._promotion = promotion or Promotion()
-        replication = Replication.of(replicas)
-        if self._promotion.every > 1 and replication is not None:
-            raise ConfigError(
-                "Promotion(every=) > 1 does not work with replicas= yet (a replication round "
-                "promotes every replicated step to the disk tier); use one or the other"
-            )
+        replication = Replication.of(replicas)  # peer copies of the memory tier
+        self._promotion = _promotion(promotion, replication)
         self._dist = DistRuntime.detect(  # torch.distributed: see dist/runtime.py
             process_group=process_group,
             timeout_s=dist_timeout_s,
             on_busy=on_busy,
             root=self.root,
-            replication=replication,  # peer copies of the memory tier
+            replication=replication,
         )
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
-        lock_name = self._dist.lock_name if self._dist else "writer"
         with ExitStack() as undo:  # any failure below releases what was taken so far
-            # the disk tier writes the aligned bulk of each chunk past the page cache
-            self.store = CheckpointStore(
-                LocalBackend(self.root, fsync=fsync, direct_io=self.options.direct_io and fsync)
-            )
-            self._lock = WriterLock(self.root, name=lock_name)
-            self._lock.acquire()
-            undo.callback(self._lock.release)
-            self.journal = Journal(self.root / JOURNAL_NAME, rank=self.rank if self._dist else None)
-            self._inflight = InFlight()
-            tiers = build_tiers(  # memory -> local (root) -> remote; see engine/tiers.py
-                local=self.store,
-                local_root=self.root,
-                keep=self.keep,
+            self._open_root(undo, fsync=fsync)
+            self._open_tiers(
+                undo,
                 memory_tier=memory_tier,
                 keep_memory=keep_memory,
                 remote=remote,
                 remote_options=remote_options,
                 keep_remote=keep_remote,
                 fsync=fsync,
-                lock_name=lock_name,
-                check_shared=self._dist.check_shared if self._dist else None,
             )
-            undo.callback(release_locks, tiers)
-            self._tiers = TierSet(
-                tiers,
-                journal=self.journal,
-                promotion=self._promotion,
-                extra_pins=self._inflight.pinned,
-            )
-            undo.callback(self._tiers.promoter.stop)
-            if self._dist is not None:  # the replication thread (dist/replicate.py)
-                self._dist.start(self._tiers, self.journal)
-                undo.callback(self._dist.stop)
             self._start_runtime(incremental)
             undo.callback(self._stop_threads)
-            self._marker = RunMarker(
-                self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
-            )
-            self._marker.start(self.store, self.save_policy)
-            self._preempt: Preemption | None = None
-            if handle_sigterm:  # see engine/preempt.py
-                self._preempt = Preemption(
-                    grace_period_s=grace_period_s,
-                    emergency_save=emergency_save,
-                    journal=self.journal,
-                )
-                self._preempt.follows = self._dist is not None and self.rank != 0
-                self._preempt.install()
+            self._start_run(handle_sigterm, grace_period_s, emergency_save)
             undo.pop_all()
         self._closed = False
         exits.track(self)
+
+    def _open_root(self, undo: ExitStack, *, fsync: bool) -> None:
+        """The disk tier's store, the root's writer lock (one per rank), the journal."""
+        # the disk tier writes the aligned bulk of each chunk past the page cache
+        direct = self.options.direct_io and fsync
+        self.store = CheckpointStore(LocalBackend(self.root, fsync=fsync, direct_io=direct))
+        self._lock = WriterLock(self.root, name=self._lock_name)
+        self._lock.acquire()
+        undo.callback(self._lock.release)
+        self.journal = Journal(self.root / JOURNAL_NAME, rank=self.rank if self._dist else None)
+        self._inflight = InFlight()
+
+    @property
+    def _lock_name(self) -> str:
+        return self._dist.lock_name if self._dist else "writer"
+
+    def _open_tiers(self, undo: ExitStack, *, fsync: bool, **tier_args: Any) -> None:
+        """memory -> local (root) -> remote (engine/tierbuild.py), their TierSet and, under
+        peer replication, the replication thread (dist/replicate.py)."""
+        tiers = build_tiers(
+            local=self.store,
+            local_root=self.root,
+            keep=self.keep,
+            fsync=fsync,
+            lock_name=self._lock_name,
+            check_shared=self._dist.check_shared if self._dist else None,
+            **tier_args,
+        )
+        undo.callback(release_locks, tiers)
+        self._tiers = TierSet(
+            tiers, journal=self.journal, promotion=self._promotion, extra_pins=self._inflight.pinned
+        )
+        undo.callback(self._tiers.promoter.stop)
+        if self._dist is not None:
+            self._dist.start(self._tiers, self.journal)
+            undo.callback(self._dist.stop)
+
+    def _start_run(
+        self, handle_sigterm: bool, grace_period_s: float, emergency_save: EmergencySave | None
+    ) -> None:
+        """The run marker (restarts, the steps a crash lost) and the SIGTERM handler."""
+        self._marker = RunMarker(
+            self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
+        )
+        self._marker.start(self.store, self.save_policy)
+        self._preempt: Preemption | None = None
+        if handle_sigterm:  # see engine/preempt.py
+            self._preempt = Preemption(
+                grace_period_s=grace_period_s, emergency_save=emergency_save, journal=self.journal
+            )
+            self._preempt.follows = self._dist is not None and self.rank != 0
+            self._preempt.install()
 
     def _start_runtime(self, incremental: bool) -> None:
         self._pool = StagingPool(

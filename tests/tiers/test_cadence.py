@@ -7,6 +7,8 @@ leaves its newest step in the memory tier, and the next run restores it from the
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -90,6 +92,32 @@ def test_a_killed_run_restores_its_unpromoted_newest_step_from_memory(tmp_path: 
     assert all(torch.equal(out["s"][k], _state(3)[k]) for k in out["s"])
     ck.close()  # the restored step is this process's first: promoted
     assert _disk_steps(tmp_path / "root") == [1, 3]
+
+
+def test_sigterm_promotes_the_emergency_step_the_cadence_would_skip(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """SIGTERM right after the save of step 10 (saves every 5 steps; only every 100th is due):
+    step 5 (the first) is promoted during the run, 10 is not, and the emergency save at the
+    next step reaches the disk at close, within the grace period; a restore without the memory tier
+    loads it."""
+    from test_processes import _events, _run, _train_until_saved
+
+    root = tmp_path / "ck"
+    env = {**os.environ, "WORKER_PROMOTE_EVERY": "100"}
+    proc, lines = _train_until_saved(["train", str(root), str(shm_dir), "-", "emergency"], env)
+    assert proc.returncode == 0, lines[-1]
+    done = _events(root, "preempt_done")
+    assert len(done) == 1 and done[0]["grace_left_s"] > 0
+    final = done[0]["step"]
+    assert final is not None and final > 10  # the emergency save at the next step
+    assert sorted(e["step"] for e in _events(root, "promoted")) == [5, final]
+    assert _disk_steps(root) == [5, final]
+    sums = dict(ln.split()[1:3] for ln in lines if ln.startswith("step "))
+    restored = _run("restore", str(root), str(tmp_path / "no-memory-tier"))
+    assert restored.returncode == 0, restored.stderr
+    got = json.loads(restored.stdout)
+    assert got["step"] == final and got["checksum"] == sums[str(final)]
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])

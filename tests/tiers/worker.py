@@ -72,6 +72,7 @@ def main() -> int:
         handle_sigterm=True,
         grace_period_s=30,
         emergency_save=True if emergency else None,
+        promotion=flashckpt.Promotion(every=int(os.environ.get("WORKER_PROMOTE_EVERY", "1"))),
     )
     state = {"m": m}
     for step in range(1, 400):

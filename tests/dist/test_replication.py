@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from multinode import NODE_TIER_ENV, Cluster
 
-from flashckpt.dist.replicate import replicated_steps
+from flashckpt.dist.record import replicated_steps
 from flashckpt.journal import read_events
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.store import CheckpointStore

@@ -18,7 +18,7 @@ from torch import nn
 
 from flashckpt import Checkpointer
 from flashckpt.cli import main
-from flashckpt.dist.replicate import replicated_steps
+from flashckpt.dist.record import replicated_steps
 from flashckpt.engine.options import Replication
 from flashckpt.journal import read_events
 from flashckpt.store.backend import LocalBackend

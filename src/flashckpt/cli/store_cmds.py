@@ -115,7 +115,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _replicated(held: dict[int, list[tuple[str, CheckpointStore]]]) -> set[int]:
     """Steps the memory tier (under peer replication) records as held by a peer node too."""
-    from flashckpt.dist.replicate import replicated_steps
+    from flashckpt.dist.record import replicated_steps
 
     for holders in held.values():
         for name, store in holders:

@@ -30,53 +30,26 @@ tier that survives the node.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from flashckpt.dist.nodepromote import promote_round
 from flashckpt.dist.priority import background_priority
+from flashckpt.dist.record import read_record, write_record
 from flashckpt.dist.transfer import Exchange, ReplicationBroken, rank_chunks
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.policy.retention import RetentionPolicy
 from flashckpt.store import codec as codecs
-from flashckpt.store import safeopen
 from flashckpt.store.manifest import ChunkRef, Manifest
 from flashckpt.store.names import chunk_path
 
 log = logging.getLogger(__name__)
-
-RECORD_NAME = "replication.json"  # at the tier root: never parsed as a step (store/names.py)
-MAX_RECORD_BYTES = 4 << 20
-
-
-def read_record(tier: Path) -> dict[str, Any]:
-    """``{"replicated": {step: {...}}, "stopped": reason | None}`` of a node tier ({} if none)."""
-    try:
-        data = safeopen.read_file(tier, RECORD_NAME, max_bytes=MAX_RECORD_BYTES)
-        doc = json.loads(data)
-    except FileNotFoundError:
-        return {}
-    except (FlashCkptError, OSError, ValueError) as exc:
-        log.warning("ignoring unreadable %s: %s", tier / RECORD_NAME, exc)
-        return {}
-    reps = doc.get("replicated") if isinstance(doc, dict) else None
-    if not isinstance(reps, dict):
-        return {}
-    out = {int(k): v for k, v in reps.items() if k.isdigit() and isinstance(v, dict)}
-    return {"replicated": out, "stopped": doc.get("stopped")}
-
-
-def replicated_steps(tier: Path) -> set[int]:
-    """Steps recorded as replicated in the node tier at ``tier``."""
-    return set(read_record(tier).get("replicated", {}))
 
 
 @dataclass(frozen=True)
@@ -366,13 +339,7 @@ class Replicator:
             log.warning("after replicating step %d: %s", step, exc)
 
     def _write_record(self, stopped: str | None) -> None:
-        doc = {
-            "version": 1,
-            "replicated": {str(s): v for s, v in sorted(self.replicated.items())},
-            "stopped": stopped,
-        }
-        data = json.dumps(doc, indent=1).encode()
-        safeopen.write_file_atomic(self.memory.path, RECORD_NAME, data, fsync=False)
+        write_record(self.memory.path, self.replicated, stopped)
 
     def _failed(self, step: int, reason: str) -> None:
         self.history.append(RoundResult(step=step, failures=1))

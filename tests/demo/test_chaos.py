@@ -201,3 +201,32 @@ def test_the_peers_keep_only_their_last_two_checkpoints_on_disk(tmp_path: Path, 
         assert names == [f"4-{os.getpid()}", "4.done", f"5-{os.getpid()}", "5.done"]
     again = _Peer(method, tmp_path, state, mtbf_s=60.0)
     assert again.restore() == 5
+
+
+@pytest.mark.parametrize("method", ["torch_save", "dcp_async_save"])
+def test_the_peers_policy_sees_what_their_saves_cost_the_steps(tmp_path: Path, method, monkeypatch):
+    """Regression: the peers' Auto was fed their blocking time only, while flashckpt's meter
+    also charges the steps a save slows while it persists: ``dcp.async_save`` blocks for
+    milliseconds, so Auto saved it every ~3 steps while its background writes made every step
+    ~2x slower (the 2026-12-01 idle run). The peers now use the same RunMeter."""
+    import torch
+
+    from flashckpt.demo import chaos_train
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(chaos_train.time, "time", lambda: clock["t"])
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    peer = chaos_train._Peer(method, tmp_path, state, mtbf_s=600.0)
+    for step in range(1, 6):  # clean steps of 1 s
+        clock["t"] += 1.0
+        peer.should_save(step)
+    peer.save(5)
+    if peer._pending is not None:
+        peer._pending[1].result()  # DCP's write is done; the next poll sees it durable
+    for step in (6, 7):
+        clock["t"] += 1.5  # the save slowed this step by 0.5 s
+        peer.should_save(step)
+    cost = peer.meter.stats(7, clock["t"]).save_cost_s
+    assert cost is not None and cost == pytest.approx(0.5, abs=0.05)
+    peer.close()

@@ -6,7 +6,10 @@ async, the ``Auto`` interval), ``torch_save`` (``torch.save`` + fsync + rename) 
 newest complete checkpoint; ``none`` (the baseline: no checkpointing, ``CFG["steps"]`` steps,
 no kills) measures the undisturbed step time and the cold start. The peers save at the
 Young/Daly interval of their own measured cost: the same :class:`~flashckpt.policy.Auto`
-policy, fed their blocking time and step time.
+policy, fed by the same :class:`~flashckpt.engine.meter.RunMeter` the Checkpointer uses (a
+save costs its blocking plus what the steps lost while it persisted; until 2026-12-01 the peers
+were fed their blocking time only, so ``dcp.async_save``, which blocks for milliseconds, saved
+every few steps while its background writes slowed every step).
 
 It appends one JSON line per event to ``CFG["log"]`` (``start`` with the process start, import,
 restore and first-step times; then one ``step`` line per step with its compute and blocking
@@ -31,8 +34,8 @@ import torch
 import flashckpt
 from flashckpt import Promotion
 from flashckpt.demo.model import GPT, GPTConfig
+from flashckpt.engine.meter import RunMeter
 from flashckpt.policy import Auto, KeepLast
-from flashckpt.policy.save import RunStats
 
 T_IMPORTED = time.time()  # ``python -m`` imported torch and flashckpt before this line ran
 VOCAB = 96
@@ -54,10 +57,10 @@ class _Peer:
         self.method, self.root, self.state = method, root, state
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = Auto(mtbf_s=mtbf_s)
-        self.costs: list[float] = []
-        self.persist: list[float] = []
+        self.meter = RunMeter()
         self.last: tuple[int, float] | None = None
         self._pending: tuple[int, Any, float] | None = None
+        self._blocking = 0.0  # what the async save in flight blocked
 
     def _sd(self) -> dict[str, Any]:
         return {
@@ -81,24 +84,19 @@ class _Peer:
         self.state["model"].load_state_dict(sd["model"])
         self.state["optim"].load_state_dict(sd["optim"])
         self.last = (step, time.time())
+        self.meter.saved(step, self.last[1], started=False)
         return step
 
-    def should_save(self, step: int, step_time_s: float | None) -> bool:
+    def should_save(self, step: int) -> bool:
+        """Tick the meter (this step just ended), then ask the policy."""
         self._poll()
-        mean = lambda xs: sum(xs[-20:]) / len(xs[-20:]) if xs else None  # noqa: E731
-        stats = RunStats(
-            step=step,
-            now_s=time.time(),
-            last_save_step=self.last[0] if self.last else None,
-            last_save_s=self.last[1] if self.last else None,
-            step_time_s=step_time_s,
-            save_cost_s=mean(self.costs),
-            persist_s=mean(self.persist),
-        )
-        return bool(self.policy.should_save(stats)) or self.last is None
+        now = time.time()
+        self.meter.tick(step, now)
+        return bool(self.policy.should_save(self.meter.stats(step, now))) or self.last is None
 
     def save(self, step: int) -> float:
         t0 = time.perf_counter()
+        self.meter.saved(step, time.time())
         if self.method == "torch_save":
             tmp = self.root / f"{step}.pt.tmp"
             with open(tmp, "wb") as f:
@@ -107,7 +105,8 @@ class _Peer:
                 os.fsync(f.fileno())
             os.replace(tmp, self.root / f"{step}.pt")
             self._mark(step)
-            self.persist.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.meter.durable(blocking_s=took, background_s=took)
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -121,7 +120,8 @@ class _Peer:
             fut = dcp.async_save(self._sd(), storage_writer=writer, no_dist=True)
             self._pending = (step, fut, t0)
         cost = time.perf_counter() - t0
-        self.costs.append(cost)
+        if self._pending is not None:
+            self._blocking = cost
         self.last = (step, time.time())
         return cost
 
@@ -130,7 +130,8 @@ class _Peer:
             step, fut, t0 = self._pending
             fut.result()
             self._mark(step, f"{step}-{os.getpid()}")
-            self.persist.append(time.perf_counter() - t0)
+            background = time.perf_counter() - t0
+            self.meter.durable(blocking_s=self._blocking, background_s=background)
             self._pending = None
 
     def _mark(self, step: int, where: str = "") -> None:
@@ -201,16 +202,14 @@ def main(cfg_path: str) -> int:
     start_rec.update(t_imported=T_IMPORTED, t_restore=t_restore, t_restored=time.time())
     log.write("\n" + json.dumps(start_rec) + "\n")  # "\n" ends a line a killed process cut
     log.flush()
-    step_time: float | None = None
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         train_step(cfg, state, step)
         compute = time.perf_counter() - t0
-        step_time = compute if step_time is None else 0.9 * step_time + 0.1 * compute
         blocked, saved = 0.0, False
         if ckpt is not None and ckpt.should_save(step):
             blocked, saved = ckpt.save(step, state).blocking_s, True
-        elif peer is not None and peer.should_save(step, step_time):
+        elif peer is not None and peer.should_save(step):
             blocked, saved = peer.save(step), True
         rec = {"event": "step", "step": step, "t": time.time(), "compute_s": compute}
         rec.update(blocked_s=blocked, saved=saved)

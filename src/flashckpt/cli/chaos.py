@@ -55,12 +55,16 @@ def run(args: argparse.Namespace) -> int:
 
 def table(result: dict[str, Any]) -> str:
     head = (
-        "| method | goodput | Daly model | failures | steps lost | cost/save | "
-        "restore | restart (kill→step) | restart / cold start |"
+        "| method | goodput | Daly model | Daly at its optimum | failures | steps lost | "
+        "cost/save | restore | restart (kill→step) | restart / cold start |"
     )
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 10]
+    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     for name, r in result["methods"].items():
-        model = f"{r['model_goodput']:.1%}" if r["model_goodput"] is not None else "-"
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error']} |" + " |" * 8)
+            continue
+        model = f"{pct(r['model_goodput'])} | {pct(r.get('best_model_goodput'))}"
         restore = max(r["restore_s"]) if r["restore_s"] else 0.0
         restart = sum(r["restart_s"]) / len(r["restart_s"]) if r["restart_s"] else None
         ratio = f"{r['restart_ratio']:.2f}x" if r["restart_ratio"] else "-"

@@ -12,8 +12,8 @@ O_DIRECT (store/directio.py). On CUDA the arena is pinned (allocated once, since
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
 to first write 1.2 GB in 4 KiB pages, 0.5 s to write it again), so a pageable arena is an
 anonymous mapping advised for transparent huge pages (:func:`pageable`), and a new
-Checkpointer reserves and touches it in the background (:meth:`StagingPool.warm`, started by engine/warmup.py) before the first save
-needs it; :meth:`close` gives the memory back.
+Checkpointer reserves and touches it in the background (:meth:`StagingPool.warm`, started by
+engine/warmup.py) before the first save needs it; :meth:`close` gives the memory back.
 """
 
 from __future__ import annotations

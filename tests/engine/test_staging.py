@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -385,34 +384,3 @@ def test_warmup_pins_when_cuda_is_usable_and_the_device_save_stages_into_it(tmp_
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     assert flashckpt.restore(tmp_path, out) == 2
     assert all(torch.equal(out[k], state[k]) for k in state)
-
-
-def _smaps_field(addr: int, name: str) -> int | None:
-    """``name``'s value in /proc/self/smaps for the mapping holding ``addr``."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith(name + ":"):
-            return int(line.split()[1])
-    return None
-
-
-def test_the_pageable_arena_is_advised_for_huge_pages() -> None:
-    """Regression: the arena came from torch.empty (4 KiB pages): faulting in 1.2 GB took
-    3.2-3.6 s on the 2-core host, so the first save after a start waited for the warm-up.
-    Now it is a private anonymous mapping advised for transparent huge pages, where the
-    kernel offers them (``madvise`` or ``always``); a *shared* anonymous one (``mmap(-1, n)``'s
-    default) is shmem and gets no huge pages while tmpfs gets none."""
-    from flashckpt.engine.staging import pageable
-
-    t = pageable(8 << 20)
-    assert t.numel() == 8 << 20 and t.data_ptr() % 4096 == 0
-    t[:] = 7
-    assert int(t[-1]) == 7
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    offered = mode.exists() and "[never]" not in mode.read_text()
-    eligible = _smaps_field(t.data_ptr(), "THPeligible")
-    assert eligible == (1 if offered else 0), mode.read_text() if mode.exists() else "no THP"

@@ -10,17 +10,15 @@ O_DIRECT (store/directio.py). On CUDA the arena is pinned (allocated once, since
 ``cudaHostAlloc`` is slow); if pinning fails it falls back to pageable memory with a warning.
 
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
-to first write 1.2 GB in 4 KiB pages, 0.5 s to write it again), so a pageable arena is an
-anonymous mapping advised for transparent huge pages (:func:`pageable`), and a new
-Checkpointer reserves and touches it in the background (:meth:`StagingPool.warm`, started by
-engine/warmup.py) before the first save needs it; :meth:`close` gives the memory back.
+to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and touches it
+in the background (:meth:`StagingPool.warm`, started by engine/warmup.py) before the first save
+needs it; :meth:`close` gives the memory back.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import mmap
 import threading
 
 import torch
@@ -183,24 +181,7 @@ def _alloc(nbytes: int, pin: bool) -> torch.Tensor:
             log.warning(
                 "could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc
             )
-    return pageable(nbytes)
-
-
-def pageable(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of anonymous memory (page-aligned: an mmap), advised for transparent huge
-    pages where the kernel offers them (``madvise`` mode): faulting it in then costs one fault
-    per 2 MiB instead of one per 4 KiB page, the cost the first save after a start paid (or
-    waited for while the warm-up touched it). Without THP it is ordinary 4 KiB pages."""
-    # private: mmap(-1, n) alone is a shared mapping of /dev/zero, i.e. shmem, which takes
-    # huge pages only where tmpfs does (shmem_enabled, "never" on most hosts)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            buf.madvise(advice)
-        except OSError as exc:  # THP compiled out, or the mapping refused it: small pages
-            log.debug("no huge pages for the staging arena: %s", exc)
-    return torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return _aligned_slice(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
 
 
 def _aligned_slice(raw: torch.Tensor, nbytes: int) -> torch.Tensor:

@@ -18,6 +18,17 @@ def _run(meter: RunMeter, steps: list[float], t: float = 0.0, step: int = 0) -> 
     return t, step
 
 
+def _spy(seen: list):
+    """A save policy that records the save cost it is shown and never saves."""
+
+    class Spy(flashckpt.policy.EverySteps):
+        def should_save(self, stats):
+            seen.append(stats.save_cost_s)
+            return False
+
+    return Spy
+
+
 def test_a_save_costs_what_it_added_to_the_steps_in_flight() -> None:
     """Regression: the policy saw only the seconds save() blocked (0.05 s), while the
     background persist slowed each of the next three 1.0 s steps to 1.4 s: a save cost 1.25 s,
@@ -68,12 +79,7 @@ def test_checkpointer_feeds_the_policy_the_slowdown_of_steps_while_persisting(
     clock = {"t": 1000.0}
     monkeypatch.setattr(cadence.time, "time", lambda: clock["t"])
     seen: list = []
-
-    class Spy(flashckpt.policy.EverySteps):
-        def should_save(self, stats):
-            seen.append(stats.save_cost_s)
-            return False
-
+    Spy = _spy(seen)
     state = {"w": torch.randn(256 * 1024)}
     with flashckpt.Checkpointer(tmp_path, async_save=True, save_policy=Spy(10**9)) as ck:
         for step in range(1, 6):
@@ -140,12 +146,7 @@ def test_checkpointer_charges_a_save_until_its_promotion_ended(tmp_path, monkeyp
 
     monkeypatch.setattr(promote, "copy_step", held_copy)
     seen: list = []
-
-    class Spy(flashckpt.policy.EverySteps):
-        def should_save(self, stats):
-            seen.append(stats.save_cost_s)
-            return False
-
+    Spy = _spy(seen)
     state = {"w": torch.randn(64 * 1024)}
     with flashckpt.Checkpointer(
         tmp_path / "root", memory_tier=tmp_path / "mem", async_save=True, save_policy=Spy(10**9)

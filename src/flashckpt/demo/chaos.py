@@ -101,10 +101,10 @@ def run_chaos(
         base_s = result["baseline"]["step_s"]
         say(f"  baseline (no checkpointing): {base_s:.3f} s/step")
     for method in methods:
-        cfg = _config(out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
-        if method == "flashckpt":
-            cfg["promote_every"] = promote_every
-            Path(cfg["log"]).with_name("config.json").write_text(json.dumps(cfg, indent=1))
+        cfg = _config(
+            out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads,
+            promote_every=promote_every,
+        )  # fmt: skip
         try:
             res = _run_method(cfg, kills, duration, base_s)
         except Exception as exc:  # one method's failure must not lose the others' results
@@ -125,6 +125,7 @@ def _config(
     seed: int,
     model: dict[str, int] | None,
     threads: int | None,
+    promote_every: int = 1,
 ) -> dict[str, Any]:
     d = out / method
     if d.exists():
@@ -143,6 +144,8 @@ def _config(
         "memory": str(shm / f"flashckpt-chaos-{getpass.getuser()}-{os.getpid()}-{method}"),
         "log": str(d / "train.jsonl"),
     }
+    if method == "flashckpt":
+        cfg["promote_every"] = promote_every  # Promotion(every=) of its Checkpointer
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return cfg
 

@@ -119,9 +119,7 @@ class _Peer:
             writer = dcp.FileSystemWriter(str(path), sync_files=True)
             fut = dcp.async_save(self._sd(), storage_writer=writer, no_dist=True)
             self._pending = (step, fut, t0)
-        cost = time.perf_counter() - t0
-        if self._pending is not None:
-            self._blocking = cost
+        cost = self._blocking = time.perf_counter() - t0  # (DCP: durable in _poll)
         self.last = (step, time.time())
         return cost
 

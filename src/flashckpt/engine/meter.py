@@ -61,8 +61,7 @@ class RunMeter:
             flight[0] += max(0.0, seconds - steps * statistics.median(self._clean))
         until = self._until
         if self._durable_seen and (until is None or until.is_set()):  # it ended: cost final
-            self._costs.append(max(flight[0], flight[1]) if self._clean else flight[1])
-            self._flight, self._durable_seen, self._until = None, False, None
+            self._settle()
 
     def journal_due(self, every: int = 50) -> bool:
         if self._since_journal >= every and self._step_times:
@@ -90,8 +89,10 @@ class RunMeter:
         self._durable_seen = True
 
     def _settle(self) -> None:
+        """Charge the save in flight what it added so far, if it is durable (its promotion
+        may still run: a next save overtook it), and end it."""
         flight = self._flight
-        if flight is not None and self._durable_seen:  # durable; its promotion outlived it
+        if flight is not None and self._durable_seen:
             self._costs.append(max(flight[0], flight[1]) if self._clean else flight[1])
         self._flight, self._durable_seen, self._until = None, False, None
 

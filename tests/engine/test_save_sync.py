@@ -243,7 +243,7 @@ def test_manifest_drafted_during_the_writes_equals_the_one_built_after(tmp_path)
     def spy(self):
         m = real(self)
         again = job_manifest(
-            step=self.handle.step, hashes=self.hashes, refs=self._p.refs, chunks=self.chunks,
+            step=self.handle.step, hashes=self.hashes, refs=self.ledger.refs, chunks=self.chunks,
             captured=self.captured, ctx=self.ctx, stats=m.stats,
         )  # fmt: skip
         again.time_s = m.time_s

@@ -1,4 +1,6 @@
-"""A save's chunk decisions go through its liveness window (engine/save.py ``SaveJob._reuse``)."""
+"""A save's chunk decisions go through its liveness window (engine/ledger.py).
+
+``SaveJob._reuse`` records the hash and asks the ledger."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,14 +25,14 @@ from flashckpt.engine.context import SaveContext
 from flashckpt.engine.handle import SaveHandle, as_save_error
 from flashckpt.engine.hooks import MutationGuard
 from flashckpt.engine.layout import ChunkPlan
+from flashckpt.engine.ledger import ChunkLedger
 from flashckpt.engine.manifests import Draft, draft, job_manifest
 from flashckpt.engine.staging import StagingPool
 from flashckpt.errors import FlashCkptError, SaveError
 from flashckpt.state.capture import Captured
 from flashckpt.store import codec as codecs
 from flashckpt.store.gc import collect_garbage
-from flashckpt.store.manifest import ChunkRef, Manifest
-from flashckpt.store.pins import Window
+from flashckpt.store.manifest import Manifest
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers import Tier
@@ -45,22 +44,12 @@ Committer = Callable[[Manifest, list[str]], None]
 distributed: write this rank's part, barrier, rank 0 publishes)."""
 
 
-@dataclass(kw_only=True)
-class _Progress:
-    refs: dict[str, ChunkRef] = field(default_factory=dict)
-    written: list[str] = field(default_factory=list)
-    pending: list[Future[None]] = field(default_factory=list)
-    error: BaseException | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    claims: dict[str, int] = field(default_factory=dict)  # hash -> chunk index writing it
-    window: Window | None = None  # this save's pins (store/liveness.py), opened at first chunk
-
-
 class SaveJob:
     """One save on its staging thread: :meth:`run` stages, persists and commits.
 
     Everything about one save lives here, never on the Checkpointer: the ``tier`` it commits
-    to, the chunks it pins (:attr:`pinned_hashes`), its ``manifest`` once durable, the device
+    to, its chunk decisions and pins (``ledger``, engine/ledger.py; :attr:`pinned_hashes`), its
+    ``manifest`` once durable, the device
     fingerprints it observed (published to the shared table only after its commit), and the
     ``guard`` that fails it when a protected tensor changed before staging finished.
 
@@ -90,7 +79,12 @@ class SaveJob:
         # device fingerprints seen by this save; become the shared table only once committed
         self._new_fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self.hashes: list[str] = [""] * len(chunks)
-        self._p = _Progress()
+        self.ledger = ChunkLedger(
+            store=ctx.store, step=handle.step, incremental=ctx.incremental, stats=handle.stats
+        )
+        self._pending: list[Future[None]] = []  # persist work handed to the workers
+        self._error: BaseException | None = None  # the first failure; workers stop taking chunks
+        self._error_lock = threading.Lock()
         self._stream: Any = None
         self._deferred: list[tuple[Any, ...]] = []
         self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
@@ -113,7 +107,7 @@ class SaveJob:
             self._flush()
             # while the workers write: the manifest's tensor entries and their JSON
             self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
-            for f in self._p.pending:
+            for f in self._pending:
                 f.result()
             self._raise_if_failed()
             manifest = self.build_manifest()
@@ -227,43 +221,14 @@ class SaveJob:
         return self.ctx.pool
 
     def _reuse(self, ci: int, h: str, size: int) -> bool:
-        """Record chunk ``ci`` as ``h``; True when no write is needed. ``h`` is pinned in this
-        save's liveness window before the decision, and a stored chunk is reused only when the
-        tier holds it with the right size and it is not quarantined (``Window.claim``)."""
+        """Record chunk ``ci`` as ``h``; True when no write is needed (engine/ledger.py)."""
         self.hashes[ci] = h
-        stats = self.handle.stats
-        with self._p.lock:
-            owner = self._p.claims.get(h)
-            if owner == ci:
-                return False  # this chunk claimed it before (device fingerprint path): write it
-            stats.total_bytes += size
-            if h in self._p.refs or owner is not None:
-                stats.reused_bytes += size  # the same bytes appear earlier in this save
-                return True
-            ref = self._pins().claim(h, size, reuse=self.ctx.incremental)
-            if ref is not None:
-                self._p.refs[h] = ChunkRef(
-                    hash=h, size=size, codec=ref.codec, stored_size=max(ref.stored_size, 0)
-                )
-                stats.reused_bytes += size
-                stats.chunks_reused += 1
-                return True
-            self._p.claims[h] = ci  # this chunk writes it; its ref is set when it lands
-            stats.new_bytes += size
-            stats.chunks_new += 1
-        return False
-
-    def _pins(self) -> Window:
-        if self._p.window is None:
-            self._p.window = self.ctx.store.liveness.open_window(kind="save", step=self.handle.step)
-        return self._p.window
+        return self.ledger.reuse(ci, h, size)
 
     def release_pins(self, *, failed: bool = False) -> None:
         """End this save's liveness window: after its manifest (or rank part) is committed,
         or (``failed=True``) when it gave up. Idempotent."""
-        win = self._p.window
-        if win is not None:
-            win.failed() if failed else win.committed()
+        self.ledger.release(failed=failed)
 
     # -- persisting -------------------------------------------------------------------------
     def _submit(
@@ -300,7 +265,7 @@ class SaveJob:
             if slot is not None and self.ctx.pool is not None:
                 self.ctx.pool.release(slot)
             raise
-        self._p.pending.append(fut)
+        self._pending.append(fut)
 
     def _persist(
         self,
@@ -313,7 +278,7 @@ class SaveJob:
         fingerprint: tuple[Any, Any, str | None] | None,
     ) -> None:
         try:
-            if self._p.error is not None:
+            if self._error is not None:
                 return
             if h is None:
                 h = codecs.hash_parts(bufs)
@@ -328,26 +293,25 @@ class SaveJob:
                     )
                 if expect is None and self._reuse(ci, h, size):
                     return
-            ref = self.ctx.store.put_chunk(h, size, bufs, codec)
-            with self._p.lock:
-                self._p.refs[h] = ref
-                self._p.written.append(h)  # (a failure below still cleans it up)
+            self.ledger.landed(h, self.ctx.store.put_chunk(h, size, bufs, codec))
             # the rename durable too, here in the worker, while the other chunks are written:
             # the commit then waits for no fsync of a chunk directory (one after another on
             # the caller's thread, they cost a 123 MiB save 0.4-1.3 s, more than torch.save)
             self.ctx.store.backend.sync_dirs(self.ctx.store.chunk_dirs([h]))
-            self.handle.stats.stored_bytes += ref.stored_size
         except BaseException as exc:
-            with self._p.lock:
-                if self._p.error is None:
-                    self._p.error = exc
+            self._record_error(exc)
             raise
         finally:
             if slot is not None and self.ctx.pool is not None:
                 self.ctx.pool.release(slot)
 
+    def _record_error(self, exc: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = exc
+
     def _raise_if_failed(self) -> None:
-        err = self._p.error
+        err = self._error
         if err is not None:
             raise err
 
@@ -361,7 +325,7 @@ class SaveJob:
         return job_manifest(
             step=self.handle.step,
             hashes=self.hashes,
-            refs=self._p.refs,
+            refs=self.ledger.refs,
             chunks=self.chunks,
             captured=self.captured,
             ctx=self.ctx,
@@ -381,14 +345,12 @@ class SaveJob:
     def _stop_workers(self, exc: BaseException) -> None:
         """Record the first error (workers stop taking chunks), give back the staging ranges of
         chunks never handed to a worker, and wait until no worker is running."""
-        with self._p.lock:
-            if self._p.error is None:
-                self._p.error = exc
+        self._record_error(exc)
         deferred, self._deferred = self._deferred, []
         for args in deferred:
             if self.ctx.pool is not None:
                 self.ctx.pool.release(args[4])
-        for f in self._p.pending:
+        for f in self._pending:
             try:
                 f.result()
             except BaseException:
@@ -403,7 +365,7 @@ class SaveJob:
         collected now, or by the next collection when another process is writing the root
         (the liveness module keeps them as candidates, on disk too)."""
         self.release_pins(failed=True)
-        if not self._p.written:
+        if not self.ledger.written:
             return
         try:
             res = collect_garbage(self.ctx.store)

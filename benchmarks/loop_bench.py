@@ -12,7 +12,9 @@ the cold first save, every measurement in a fresh process, side by side in one r
 
 1. *blocking*: the first and the later saves of a ~1.2 GB state (MLP + AdamW) with nothing to
    overlap — flashckpt async after a restart (a checkpoint of the state is in the root; the
-   process constructs the Checkpointer, restores, saves), flashckpt async in an empty root,
+   process constructs the Checkpointer, restores, saves), the same with a memory tier in
+   /dev/shm after a SIGKILL (``flashckpt_restart_memory``: the killed run leaves its staging
+   arena there, engine/arena.py), flashckpt async in an empty root,
    ``dcp.async_save`` (until it returns: its default stager copies synchronously) and
    ``torch.save`` + fsync;
 2. *extra loop time*: a demo-GPT training loop (state ~110 MB) saving at its 4th step (the
@@ -23,9 +25,11 @@ the cold first save, every measurement in a fresh process, side by side in one r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,12 +58,18 @@ def _bump(state: dict[str, Any]) -> None:
             p.add_(1)
 
 
+def _memory_dir(root: Path) -> Path:
+    """The /dev/shm memory tier of a ``flashckpt_restart_memory`` root."""
+    return Path("/dev/shm") / f"fc-cold-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}"
+
+
 def _saver(method: str, root: Path) -> Any:
     """``save(step, state) -> wait_staged()`` for one method; blocking = both together."""
     if method.startswith("flashckpt"):
         from flashckpt import Checkpointer
 
-        ck = Checkpointer(root, async_save=True)
+        mem = _memory_dir(root) if method == "flashckpt_restart_memory" else None
+        ck = Checkpointer(root, async_save=True, memory_tier=mem)
         return ck
     return None
 
@@ -88,13 +98,15 @@ def child_blocking(method: str, root: Path, size_gb: float) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     ck = _saver(method, root)
     out: dict[str, Any] = {"blocking_s": []}
-    if method == "flashckpt_restart":
+    if method.startswith("flashckpt_restart"):
         t0 = time.perf_counter()
         out["restored"] = ck.restore(state)
         out["restore_s"] = time.perf_counter() - t0
     if ck is not None:  # was the background warm-up done when the first save came?
         out["warmup_done_at_first_save"] = ck._warmup.done.is_set()
         out["arena_touched_bytes"] = ck._pool.touched_bytes
+        out["arena_file_backed"] = ck._pool.file_backed
+        out["arena_reused_bytes"] = ck._pool.reused_bytes
     pending = None
     for i in range(SAVES):
         _bump(state)
@@ -174,6 +186,15 @@ def child_seed(root: Path, what: str, size_gb: float) -> dict[str, Any]:
     return {}
 
 
+def child_seed_killed(root: Path, size_gb: float) -> None:
+    """The run before a ``flashckpt_restart_memory`` restart: an async save to the memory tier,
+    durable, then SIGKILL (it leaves the memory tier and its staging arena in /dev/shm)."""
+    state = _mlp(size_gb)
+    ck = _saver("flashckpt_restart_memory", root)
+    ck.save(1, state).durable.result()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 # -- the parent -------------------------------------------------------------------------------
 def _run_child(*args: str) -> dict[str, Any]:
     res = subprocess.run(
@@ -191,9 +212,8 @@ def cold(argv: list[str]) -> int:
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default="cold.json")
     p.add_argument("--parts", default="blocking,loop")
-    p.add_argument(
-        "--methods", default="flashckpt_restart,dcp_async_save,torch_save,flashckpt_fresh"
-    )
+    every = "flashckpt_restart,flashckpt_restart_memory,dcp_async_save,torch_save,flashckpt_fresh"
+    p.add_argument("--methods", default=every)
     p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="loop part")
     args = p.parse_args(argv)
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
@@ -206,11 +226,18 @@ def cold(argv: list[str]) -> int:
             methods = args.methods.split(",")
             if "flashckpt_restart" in methods:  # the run before the restart
                 child_seed(work / "b_flashckpt_restart", "mlp", args.size_gb)
+            if "flashckpt_restart_memory" in methods:  # killed, its memory tier left behind
+                root = work / "b_flashckpt_restart_memory"
+                cmd = [sys.executable, __file__, "--child", "seed-killed", str(root), size]
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if res.returncode != -signal.SIGKILL:
+                    raise RuntimeError(f"the killed seed run ended {res.returncode}: {res.stderr}")
             out["blocking"] = {}
             for m in methods:
                 out["blocking"][m] = _run_child("blocking", m, str(work / f"b_{m}"), size)
                 print(m, out["blocking"][m], flush=True)
                 shutil.rmtree(work / f"b_{m}", ignore_errors=True)
+                shutil.rmtree(_memory_dir(work / f"b_{m}"), ignore_errors=True)
             for m, r in out["blocking"].items():
                 b = r["blocking_s"]
                 print(f"blocking {m}: first {b[0]:.3f} s, warm {statistics.median(b[1:]):.3f} s")
@@ -219,7 +246,8 @@ def cold(argv: list[str]) -> int:
         if "loop" in args.parts:
             out["loop"] = {}
             for threads in [int(t) for t in args.threads.split(",")]:
-                for m in [m for m in args.methods.split(",") if m != "flashckpt_fresh"]:
+                skip = ("flashckpt_fresh", "flashckpt_restart_memory")  # the blocking part only
+                for m in [m for m in args.methods.split(",") if m not in skip]:
                     root = work / f"l_{m}_{threads}"
                     if m == "flashckpt_restart":
                         child_seed(root, "gpt", 0.0)
@@ -243,6 +271,9 @@ def child(argv: list[str]) -> int:
     kind = argv[0]
     if kind == "seed":
         res = child_seed(Path(argv[1]), argv[2], float(argv[3]))
+    elif kind == "seed-killed":
+        child_seed_killed(Path(argv[1]), float(argv[2]))
+        return 1  # not reached: SIGKILL
     elif kind == "blocking":
         res = child_blocking(argv[1], Path(argv[2]), float(argv[3]))
     else:

@@ -87,7 +87,8 @@ def instrument(ckpt: Checkpointer, inj: Injector) -> None:
         return int(plain(path, parts))
 
     backend.put = put  # type: ignore[method-assign]
-    pending, target = ckpt._raise_pending, ckpt._tiers.target
+    # the first thing a save does: deliver the error a previous save left (engine/saving.py)
+    pending, target = ckpt._inflight.raise_pending, ckpt._tiers.target
 
     def raise_pending() -> None:
         inj.at("pending")
@@ -97,7 +98,7 @@ def instrument(ckpt: Checkpointer, inj: Injector) -> None:
         inj.at("tier")
         return target(**kw)
 
-    ckpt._raise_pending = raise_pending  # type: ignore[method-assign]
+    ckpt._inflight.raise_pending = raise_pending  # type: ignore[method-assign]
     ckpt._tiers.target = choose  # type: ignore[method-assign]
 
 

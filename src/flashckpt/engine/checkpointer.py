@@ -6,7 +6,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -14,19 +13,10 @@ from typing import Any
 from flashckpt.dist.runtime import DistRuntime
 from flashckpt.engine import device as devices
 from flashckpt.engine import exit as exits
-from flashckpt.engine.aftersave import AfterSave
+from flashckpt.engine.arena import arena_for
 from flashckpt.engine.cadence import decide
 from flashckpt.engine.closing import empty_memory_tier
-from flashckpt.engine.context import build_context
-from flashckpt.engine.fingerprint import Fingerprinter
-from flashckpt.engine.handle import SaveHandle, SaveStats, as_save_error, failure, settle
-from flashckpt.engine.hooks import (
-    MutationGuard,
-    StepGate,
-    copy_unprotected,
-    find_optimizers,
-    protected_pointers,
-)
+from flashckpt.engine.handle import SaveHandle
 from flashckpt.engine.inflight import InFlight
 from flashckpt.engine.lifecycle import RunMarker
 from flashckpt.engine.load import Attempt, restore_from_tiers
@@ -34,17 +24,15 @@ from flashckpt.engine.meter import RunMeter
 from flashckpt.engine.options import Options, Replication, check_step
 from flashckpt.engine.preempt import EmergencySave, Preemption
 from flashckpt.engine.promote import Promotion
-from flashckpt.engine.save import SaveJob
-from flashckpt.engine.staging import StagingPool
-from flashckpt.engine.steps import holding, refuse_existing
+from flashckpt.engine.saving import SavePath
+from flashckpt.engine.steps import holding
 from flashckpt.engine.tierbuild import build_tiers, release_locks
 from flashckpt.engine.tiers import TierSet
-from flashckpt.engine.warmup import Warmup, persist_threads
+from flashckpt.engine.warmup import Warmup
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
 from flashckpt.policy.save import SavePolicy, as_save_policy
-from flashckpt.state.capture import Captured, capture
 from flashckpt.store.backend import LocalBackend
 from flashckpt.store.lock import WriterLock
 from flashckpt.store.store import CheckpointStore
@@ -142,7 +130,7 @@ class Checkpointer:
                 keep_remote=keep_remote,
                 fsync=fsync,
             )
-            self._start_runtime(incremental)
+            self._start_runtime()
             undo.callback(self._stop_threads)
             self._start_run(handle_sigterm, grace_period_s, emergency_save)
             undo.pop_all()
@@ -201,41 +189,41 @@ class Checkpointer:
             self._preempt.follows = self._dist is not None and self.rank != 0
             self._preempt.install()
 
-    def _start_runtime(self, incremental: bool) -> None:
-        self._pool = StagingPool(
-            budget_bytes=self.options.host_memory_budget_bytes, chunk_bytes=self.options.chunk_bytes
+    def _start_runtime(self) -> None:
+        """The save path (engine/saving.py: staging pool, stager and persist threads) and the
+        warm-up that readies its threads, chunk directories and arena before the first save."""
+        self._meter = RunMeter()
+        self._saver = SavePath(
+            options=self.options,
+            tiers=self._tiers,
+            journal=self.journal,
+            inflight=self._inflight,
+            meter=self._meter,
+            dist=self._dist,
+            rank=self.rank,
+            world_size=self.world_size,
+            arena=arena_for(self._tiers.fastest, name=self._lock_name),  # engine/arena.py
         )
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
-        self._after = AfterSave(self._tiers, self._stager)  # promotion + retention
-        o = self.options
-        threads = persist_threads(
-            workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
-        )
-        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="flashckpt-persist")
-        # threads, chunk directories and the staging arena, ready before the first save
+        sv = self._saver
+        self._pool, self._workers, self._after = sv.pool, sv.workers, sv.after
         self._warmup = Warmup(
-            pool=self._pool,
-            executors=[(self._stager, 1), (self._workers, threads)],
+            pool=sv.pool,
+            executors=[(sv.stager, 1), (sv.workers, sv.threads)],
             stores=[t.store for t in self._tiers.tiers],
             rank=self.rank,
-            async_save=o.async_save,
+            async_save=self.options.async_save,
             device=devices.current(),
         )
         self._warmup.start()
-        # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
-        self._fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
-        self._fingerprinter = Fingerprinter() if incremental else None
-        self._gate = StepGate(self._inflight.wait_staged)
-        self.last_step: int | None = None
-        self._meter = RunMeter()
-        self._damaged: set[int] = set()  # steps restore() found damaged in every tier
 
     def _stop_threads(self) -> None:
         self._warmup.stop()
-        self._gate.remove()
-        self._stager.shutdown(wait=True)
-        self._workers.shutdown(wait=True)
-        self._pool.close()
+        self._saver.stop()
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step this Checkpointer made durable or restored (None: neither yet)."""
+        return self._saver.last_step
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -330,102 +318,9 @@ class Checkpointer:
         if self._preempt is not None:
             self._preempt.at_save(self, step, state)
         if self._dist is None:
-            return self._save(step, state)
+            return self._saver.save(step, state)
         # a failure before the job exists still reaches every rank (dist/runtime.py)
-        return self._dist.run_save(step, lambda: self._save(step, state))
-
-    def _save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
-        t0 = time.perf_counter()
-        self._raise_pending()
-        if self._inflight.busy():
-            if self.options.on_busy == "skip":
-                return self._skipped(step)
-            self._inflight.wait_durable()  # counted in this save's blocking time
-            self._raise_pending()
-        if not self.options.async_save:
-            self._after.wait()  # the previous save's retention (engine/aftersave.py)
-        refuse_existing(self._tiers.tiers, step, damaged=self._damaged, journal=self.journal)
-        captured = capture(state)
-        if self._dist is not None:  # keep what this rank writes; per-rank keys renamed
-            self._dist.split(captured, state)
-        optimizers = find_optimizers(state) if self.options.async_save else []
-        overlap = bool(optimizers) and self.options.overlap
-        if overlap:
-            copy_unprotected(captured, protected_pointers(optimizers))
-        handle = SaveHandle(step=step, stats=SaveStats(step=step))
-        self._meter.saved(step, time.time())
-        job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
-        self.journal.append("save_start", step=step)
-        if self.options.async_save:
-            self._run_async(job, handle, wait_staged=not overlap)
-            self._gate.install(optimizers)
-        else:
-            job.run()
-            handle.delivered = True  # a synchronous save raises right here
-            self._finish(handle, job)
-        handle.add_blocking(time.perf_counter() - t0)
-        self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
-        if not self.options.async_save:
-            exc = failure(handle.durable)
-            if exc is not None:
-                raise as_save_error(exc, handle.step)
-        return handle
-
-    def _job(self, handle: SaveHandle, captured: Captured, guard: MutationGuard | None) -> SaveJob:
-        if self._dist is not None:  # rank 0 picks the tier of every rank (dist/attempt.py)
-            tier = self._dist.tier(self._tiers, captured.nbytes)
-        else:
-            tier = self._tiers.target(step=handle.step, nbytes=captured.nbytes)
-        chunks, ctx = build_context(
-            captured,
-            self.options,
-            store=tier.store,
-            pool=self._pool,
-            workers=self._workers,
-            fingerprinter=self._fingerprinter,
-            fingerprints=self._fingerprints,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        common: dict[str, Any] = dict(
-            ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard
-        )
-        if self._dist is not None:  # commit = parts + store barrier + rank 0 publishes
-            retain = lambda: self._after(handle.step, tier)  # noqa: E731
-            return self._dist.job(retain=retain, **common)
-        return SaveJob(**common)
-
-    def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
-        self._inflight.start(handle, job)
-        handle.durable.add_done_callback(lambda _f: self._finish(handle, job))
-        self._stager.submit(job.run)
-        if wait_staged:  # its error is raised by the next save() or close(), not here
-            settle(handle.staged)
-
-    def _skipped(self, step: int) -> SaveHandle:
-        self.journal.append("save_skipped", step=step, reason="previous save still persisting")
-        return SaveHandle.done_skipped(step)
-
-    def _finish(self, handle: SaveHandle, job: SaveJob) -> None:
-        """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping.
-        Everything it needs comes from ``job`` (the next save may already have started)."""
-        exc = failure(handle.durable)
-        if exc is not None:
-            self._inflight.failed(handle, exc)
-            self.journal.append("save_failed", step=handle.step, error=str(exc))
-            log.error("checkpoint step %d failed: %s", handle.step, exc)
-            return
-        s = handle.stats
-        self.last_step = handle.step
-        tier = job.tier if job.tier is not None else self._tiers.fastest
-        self.journal.append("durable", tier=tier.name, **s.durable_fields())
-        promotion = None
-        if self._dist is None:  # distributed: rank 0 retains inside the commit
-            later = not self.options.async_save
-            promotion = self._after(handle.step, tier, job.manifest, later=later)
-        # the save's cost to training runs until its promotion ended too (engine/meter.py)
-        until = promotion.done if promotion is not None else None
-        self._meter.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)
+        return self._dist.run_save(step, lambda: self._saver.save(step, state))
 
     def _wait_current(self) -> None:
         self._inflight.wait_durable()
@@ -466,12 +361,12 @@ class Checkpointer:
                 attempt=attempt,
             )
         finally:  # a step damaged in every tier may be saved again (engine/steps.py)
-            self._damaged |= attempt.damaged
+            self._saver.damaged |= attempt.damaged
         if got is not None:
             self._restored(got)
         return got
 
     def _restored(self, step: int) -> None:
-        self.last_step = step
+        self._saver.last_step = step
         self._meter.saved(step, time.time(), started=False)
         self._marker.restored(step)

@@ -12,7 +12,9 @@ O_DIRECT (store/directio.py). On CUDA the arena is pinned (allocated once, since
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
 to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and touches it
 in the background (:meth:`StagingPool.warm`, started by engine/warmup.py) before the first save
-needs it; :meth:`close` gives the memory back.
+needs it; :meth:`close` gives the memory back. With a memory tier on tmpfs the arena is a file
+there instead (engine/arena.py), whose pages outlive a killed process: a restarted process maps
+them resident, and its first save copies at the speed of a warm one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 
 import torch
 
+from flashckpt.engine.arena import ArenaFile
 from flashckpt.store.directio import ALIGN, aligned
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,9 @@ TOUCH_PIECE = 64 << 20  # warm() checks its stop event this often
 
 
 class StagingPool:
-    def __init__(self, *, budget_bytes: int, chunk_bytes: int) -> None:
+    def __init__(
+        self, *, budget_bytes: int, chunk_bytes: int, backing: ArenaFile | None = None
+    ) -> None:
         self.chunk_bytes = aligned(chunk_bytes)
         self.budget_bytes = max(budget_bytes, self.chunk_bytes)
         self._arena: torch.Tensor | None = None
@@ -41,7 +46,10 @@ class StagingPool:
         self._free: list[tuple[int, int]] = []  # (start, end) byte ranges, sorted, merged
         self._taken: dict[int, int] = {}  # start -> length of each range handed out
         self._cond = threading.Condition()
-        self._touched = 0  # bytes of the arena faulted in by warm()
+        self._touched = 0  # bytes of the arena known resident (faulted in by warm(), or mapped)
+        self._backing = backing  # a file for the pageable arena (engine/arena.py), or None
+        self._file_backed = False  # the arena now is that file
+        self.reused_bytes = 0  # bytes of a file arena an earlier process left allocated
         self._closed = False
 
     @property
@@ -70,12 +78,23 @@ class StagingPool:
             return False  # (pinning is tried once: a host that refused it is not asked again)
         want = max(want, self.capacity_bytes)
         self._arena = None
-        self._arena = _alloc(want, pin)
+        self._arena, self._file_backed = self._alloc(want, pin)
         self._pinned = pin and self._arena.is_pinned()
         self._pin_tried = self._pin_tried or pin
         self._free = [(0, want)]
-        self._touched = 0
+        self._touched = want if self._file_backed else 0  # a mapped file arena is resident
         return True
+
+    def _alloc(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """The arena and whether it is the file (allocated and mapped: resident): the file when
+        there is one and the arena is pageable, else anonymous (or pinned) memory."""
+        if not pin and self._backing is not None:
+            got = self._backing.map(nbytes)
+            if got is not None:
+                self.reused_bytes = got.reused_bytes
+                return got.tensor, True
+            self._backing = None  # refused (logged): not asked again
+        return _alloc(nbytes, pin), False
 
     def warm(self, *, needed_bytes: int, pin: bool, stop: threading.Event) -> None:
         """:meth:`reserve` ahead of the first save, then fault every page of the arena in, so
@@ -99,16 +118,26 @@ class StagingPool:
 
     @property
     def touched_bytes(self) -> int:
-        """Bytes of the arena that :meth:`warm` faulted in (tests, benchmarks)."""
+        """Bytes of the arena known resident: faulted in by :meth:`warm`, or a file arena's
+        allocated and mapped pages (tests, benchmarks)."""
         return self._touched
+
+    @property
+    def file_backed(self) -> bool:
+        """True when the arena is the memory tier's file (engine/arena.py)."""
+        return self._arena is not None and self._file_backed
 
     def close(self) -> None:
         """Give the arena back (Checkpointer.close, after its threads stopped). Idempotent."""
         with self._cond:
             self._closed = True
+            if self._backing is not None:  # a clean close leaves no arena in the tier
+                self._backing.remove()  # (a mapping still in use stays valid until dropped)
+                self._backing = None
             if self._taken:
                 return  # a chunk still staged (a worker that could not be stopped): keep it
             self._arena = None
+            self._file_backed = False
             self._free = []
             self._touched = 0
 

@@ -146,7 +146,12 @@ def test_chaos_smoke_kills_and_resumes_each_method(tmp_path: Path, methods) -> N
     assert res["failure_times_s"] == [15.0, 25.0] and res["promote_every"] == 2
     assert set(res["methods"]) == set(methods)
     assert res["baseline"]["steps"] == 8 and res["baseline"]["step_s"] > 0
-    assert all(r["base_step_s"] == res["baseline"]["step_s"] for r in res["methods"].values())
+    # a baseline before the first method and after each: a method's step is the two around it
+    bases = res["baselines_s"]
+    assert len(bases) == len(methods) + 1 and bases[0] == res["baseline"]["step_s"]
+    for i, r in enumerate(res["methods"].values()):
+        assert (r["baseline_before_s"], r["baseline_after_s"]) == (bases[i], bases[i + 1])
+        assert r["base_step_s"] == pytest.approx((bases[i] + bases[i + 1]) / 2)
     assert (
         json.loads((tmp_path / "chaos.json").read_text())["methods"].keys() == res["methods"].keys()
     )
@@ -167,10 +172,10 @@ def test_a_method_that_fails_keeps_the_other_methods_results(tmp_path: Path, mon
     torch_save results of the hour before were never written."""
     from flashckpt.demo import chaos
 
-    def fake(cfg, kills, duration, base):
+    def fake(cfg, kills, duration):
         if cfg["method"] == "dcp_async_save":
             raise RuntimeError("chaos trainer (dcp_async_save) exited with 1")
-        return {"goodput": 0.5, "failures": len(kills)}
+        return lambda base: {"goodput": 0.5, "failures": len(kills)}
 
     monkeypatch.setattr(chaos, "_run_method", fake)
     res = chaos.run_chaos(

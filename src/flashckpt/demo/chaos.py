@@ -5,10 +5,12 @@ For each method, train the demo GPT in a child process (:mod:`flashckpt.demo.cha
 (mean ``mtbf_s``, seeded, drawn once and used for every method) and restarts it at once, as a
 job scheduler restarting a failed job would. Then :mod:`flashckpt.demo.chaos_stats` computes
 goodput, lost steps, save blocking, restore and restart seconds from the child's log. The
-flashckpt run also gets its HTML report (from its journal). First a baseline process trains
-``baseline_steps`` steps with no checkpointing and no kills: its median step is the useful
-time of a step for every method (what checkpointing slows down counts as waste), and its
-start the cold start of the script with nothing to checkpoint.
+flashckpt run also gets its HTML report (from its journal). A baseline process trains
+``baseline_steps`` steps with no checkpointing and no kills before the first method and again
+after each one: the mean of the medians just before and just after a method is the useful time
+of one of its steps (what checkpointing slows down counts as waste, what the host's own drift
+does during the hour and a half does not), and the first baseline's start is the cold start of
+the script with nothing to checkpoint.
 """
 
 from __future__ import annotations
@@ -94,19 +96,34 @@ def run_chaos(
         "promote_every": promote_every,
         "methods": {},
     }
-    base_s = None
-    if baseline_steps > 0:
+
+    def baseline() -> dict[str, Any] | None:
+        if baseline_steps <= 0:
+            return None
         cfg = _config(out, "none", mtbf_s=mtbf_s, seed=seed, model=model, threads=threads)
-        result["baseline"] = _run_baseline(cfg, baseline_steps)
-        base_s = result["baseline"]["step_s"]
-        say(f"  baseline (no checkpointing): {base_s:.3f} s/step")
+        got = _run_baseline(cfg, baseline_steps)
+        result["baselines_s"].append(got["step_s"])
+        say(f"  baseline (no checkpointing): {got['step_s']:.3f} s/step")
+        return got
+
+    result["baselines_s"] = []  # the baseline's step before the first method and after each
+    before = result["baseline"] = baseline()
+    if before is None:
+        del result["baseline"]
     for method in methods:
         cfg = _config(
             out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads,
             promote_every=promote_every,
         )  # fmt: skip
         try:
-            res = _run_method(cfg, kills, duration, base_s)
+            measured = _run_method(cfg, kills, duration)
+            after = baseline()
+            res = measured(_bracket(before, after))
+            if before is not None and after is not None:
+                res["baseline_before_s"], res["baseline_after_s"] = (
+                    before["step_s"], after["step_s"],
+                )  # fmt: skip
+                before = after
         except Exception as exc:  # one method's failure must not lose the others' results
             result["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"}
             say(f"  {method}: FAILED ({exc}); see {Path(cfg['log']).parent}")
@@ -150,6 +167,13 @@ def _config(
     return cfg
 
 
+def _bracket(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """A method's useful step time: the mean of the baselines around it (None: no baseline,
+    the method's own median step stands in)."""
+    steps = [b["step_s"] for b in (before, after) if b is not None]
+    return sum(steps) / len(steps) if steps else None
+
+
 def _run_baseline(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
     """Train ``steps`` steps with no checkpointing and no kills, to the end."""
     cfg["steps"] = steps
@@ -168,8 +192,10 @@ def _run_baseline(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def _run_method(
-    cfg: dict[str, Any], kills: Sequence[float], duration: float, base_step_s: float | None
-) -> dict[str, Any]:
+    cfg: dict[str, Any], kills: Sequence[float], duration: float
+) -> Callable[[float | None], dict[str, Any]]:
+    """Run one method with its kills; returns its analysis as a function of the useful step
+    time (known once the baseline after it ran)."""
     cfg_path = Path(cfg["log"]).with_name("config.json")
     cmd = [sys.executable, "-m", "flashckpt.demo.chaos_train", str(cfg_path)]
     t0_mono, t0 = time.monotonic(), time.time()
@@ -195,12 +221,17 @@ def _run_method(
         shutil.rmtree(cfg["memory"], ignore_errors=True)
     records = _read(Path(cfg["log"]))
     journal = read_events(cfg["root"]) if cfg["method"] == "flashckpt" else None
-    res = analyze(
-        records, kills=killed_at, t0=t0, t_end=t_end, journal=journal, base_step_s=base_step_s
-    ).as_dict()
-    if cfg["method"] == "flashckpt":
-        res["report"] = _report(Path(cfg["root"]))
-    return res
+    report = _report(Path(cfg["root"])) if cfg["method"] == "flashckpt" else None
+
+    def measured(base_step_s: float | None) -> dict[str, Any]:
+        res = analyze(
+            records, kills=killed_at, t0=t0, t_end=t_end, journal=journal, base_step_s=base_step_s
+        ).as_dict()
+        if report is not None:
+            res["report"] = report
+        return res
+
+    return measured
 
 
 def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:

@@ -206,3 +206,29 @@ def test_a_pinned_arena_never_uses_the_file(shm_dir: Path) -> None:
     assert pool.capacity_bytes >= 2 * MiB and not pool.file_backed
     assert not (tier / "staging").exists()
     pool.close()
+
+
+def test_an_arena_file_writable_by_others_is_left_alone(shm_dir: Path) -> None:
+    tier = _tier(shm_dir)
+    (tier / "staging").mkdir(mode=0o700)
+    (tier / ARENA).write_bytes(b"x" * 100)
+    os.chmod(tier / ARENA, 0o666)  # anyone could have written what a save would then stage
+    assert ArenaFile(tier, "writer").map(1 * MiB) is None
+    assert (tier / ARENA).read_bytes() == b"x" * 100
+
+
+def test_a_failure_to_give_back_a_half_allocated_arena_still_falls_back(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ENOSPC path truncates the file; a failure there must not reach the save."""
+    tier = _tier(shm_dir)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def refuse(fd: int, length: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    assert ArenaFile(tier, "writer").map(1 * MiB) is None

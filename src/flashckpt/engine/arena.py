@@ -18,8 +18,9 @@ Rules:
   ``ENOSPC`` error here (anonymous memory is used instead, with a warning), never a SIGBUS when
   a staging copy touches a page that could not be allocated;
 * it is opened without following a link below the tier, and used only when it is a regular
-  file of this user with one link; anything else there is left alone (a warning; anonymous
-  memory). The memory tier's writer lock, held by the Checkpointer, makes it one process's;
+  file of this user, not writable by group or others (the tier's rule, engine/tierid.py), with
+  one link; anything else there is left alone (a warning; anonymous memory). The memory
+  tier's writer lock, held by the Checkpointer, makes it one process's;
 * its bytes are never read before a save writes them (staging copies, then hashes what it
   copied), so stale or planted contents cannot reach a checkpoint;
 * ``close()`` (:meth:`ArenaFile.remove`) deletes it; a killed process leaves it for the next
@@ -28,18 +29,19 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from flashckpt.engine import tierid
 from flashckpt.engine.tierbuild import Tier
 from flashckpt.errors import FlashCkptError
 from flashckpt.store import safeopen
@@ -85,11 +87,11 @@ class ArenaFile:
 
     def _map(self, fd: int, nbytes: int) -> Mapped | None:
         st = os.fstat(fd)
-        problem = _problem(st)
-        if problem is not None:
-            log.warning(
-                "staging arena: %s %s; leaving it alone, using anonymous memory", self.path, problem
-            )
+        problem = tierid.owner_problem(self.path, st, "staging arena")  # one rule for the tier
+        if problem is None and st.st_nlink != 1:
+            problem = f"staging arena {self.path} has {st.st_nlink} links (other names, same bytes)"
+        if problem is not None:  # (open_nofollow refused anything but a regular file)
+            log.warning("%s; leaving it alone, using anonymous memory", problem)
             return None
         held = st.st_blocks * 512  # pages allocated already (tmpfs: resident)
         free = shutil.disk_usage(self.tier).free + held
@@ -109,8 +111,9 @@ class ArenaFile:
             os.posix_fallocate(fd, 0, nbytes)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                os.ftruncate(fd, 0)  # nothing half-allocated left in the tier
+            if exc.errno == errno.ENOSPC:  # nothing half-allocated left in the tier
+                with contextlib.suppress(OSError):  # (and this fallback never raises)
+                    os.ftruncate(fd, 0)
             log.warning(
                 "staging arena: cannot allocate %d bytes in %s (%s); using anonymous memory",
                 nbytes,
@@ -138,16 +141,6 @@ class ArenaFile:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-def _problem(st: os.stat_result) -> str | None:
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}, not by this user"
-    if st.st_nlink != 1:
-        return f"has {st.st_nlink} links (another name for the same bytes)"
-    return None
 
 
 def arena_for(tier: Tier, *, name: str) -> ArenaFile | None:

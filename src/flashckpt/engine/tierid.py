@@ -35,7 +35,9 @@ _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_CONFIG_BYTES = 64 << 10
 
 
-def _owner_problem(path: Path, st: os.stat_result, what: str) -> str | None:
+def owner_problem(path: Path, st: os.stat_result, what: str) -> str | None:
+    """Why ``path`` (``st``: its lstat, or an fstat) cannot be trusted as this user's own: a
+    symlink, another owner, or writable by group or others; None when it can."""
     if stat.S_ISLNK(st.st_mode):
         return f"{what} {path} is a symlink"
     if st.st_uid != os.geteuid():
@@ -52,7 +54,7 @@ def check_tier_dir(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         raise ConfigError(f"memory tier {path} does not exist") from None
-    problem = _owner_problem(path, st, "memory tier")
+    problem = owner_problem(path, st, "memory tier")
     if problem is None and not stat.S_ISDIR(st.st_mode):
         problem = f"memory tier {path} is not a directory"
     if problem:
@@ -133,7 +135,7 @@ def read_trusted_config(root: Path) -> dict[str, Any] | None:
         st = safeopen.lstat_in(root, rel)
     except FileNotFoundError:
         return None
-    problem = _owner_problem(root / rel, st, "tier config")
+    problem = owner_problem(root / rel, st, "tier config")
     if problem is None and not stat.S_ISREG(st.st_mode):
         problem = f"tier config {root / rel} is a {safeopen.kind_of(st.st_mode)}"
     if problem:

@@ -107,9 +107,9 @@ def run_chaos(
         return got
 
     result["baselines_s"] = []  # the baseline's step before the first method and after each
-    before = result["baseline"] = baseline()
-    if before is None:
-        del result["baseline"]
+    before = baseline()
+    if before is not None:
+        result["baseline"] = before
     for method in methods:
         cfg = _config(
             out, method, mtbf_s=mtbf_s, seed=seed, model=model, threads=threads,
@@ -120,9 +120,8 @@ def run_chaos(
             after = baseline()
             res = measured(_bracket(before, after))
             if before is not None and after is not None:
-                res["baseline_before_s"], res["baseline_after_s"] = (
-                    before["step_s"], after["step_s"],
-                )  # fmt: skip
+                res["baseline_before_s"] = before["step_s"]
+                res["baseline_after_s"] = after["step_s"]
                 before = after
         except Exception as exc:  # one method's failure must not lose the others' results
             result["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"}

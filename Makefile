@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow torture lint typecheck bench gpu-check gpu-wheels clean
+.PHONY: demo test test-slow torture lint typecheck browser bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,10 +33,28 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The report tests render the HTML report in headless Chromium, which pip cannot install: take
+# Debian's package when this user may install packages (root, or sudo without a password);
+# otherwise say in one line what to install and stop (the tests never skip for want of it).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make test: installing chromium (Debian package) for the report tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  elif command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	    echo "make test: installing chromium (Debian package) for the report tests"; \
+	    sudo -n apt-get update -qq && sudo -n DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "make test: the report tests need Chromium; install it (Debian/Ubuntu: sudo apt-get install chromium) and run make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	    echo "make test: installing chromium failed; install it by hand (sudo apt-get install chromium)" >&2; exit 1; }; }
+
 # two pytest workers (pytest-xdist; the tests wait on subprocesses, ranks and disks a lot, so
 # two workers overlap that waiting on 2 cores); TEST_WORKERS=0 runs them in this process
 TEST_WORKERS ?= 2
-test: lint typecheck
+test: lint typecheck browser
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 test-slow: $(STAMP)

@@ -4,9 +4,9 @@
 
 Each simulated rank is a thread with its own TCPStore client connection to one TCPStore server
 (as every process of a torchrun job talks to rank 0's store). All ranks run ``--phases``
-consecutive phases of :class:`flashckpt.dist.barrier.StoreBarrier` (the leader-based protocol:
-post, ``add``, one blocking ``wait``, the leader's ``multi_get`` and ``compare_set``), each
-started together from a thread barrier. Reported per world size: Store requests per rank per
+consecutive phases of :class:`flashckpt.distributed.group.barrier.StoreBarrier` (the leader-based
+protocol: post, ``add``, one blocking ``wait``, the leader's ``multi_get`` and ``compare_set``),
+each started together from a thread barrier. Reported per world size: Store requests per rank per
 phase (followers' mean and max, the leader's), requests per phase in total, and phase latency
 (wall time from the start of a phase until the last rank returns; median over phases).
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from flashckpt.dist.barrier import StoreBarrier
+from flashckpt.distributed.group.barrier import StoreBarrier
 
 
 class Counting:

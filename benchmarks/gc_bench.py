@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 import flashckpt
-from flashckpt.engine import tiers
+from flashckpt.engine.tiers import tierset as tiers
 from flashckpt.policy import KeepLast
 from flashckpt.store import liveness
-from flashckpt.store.manifest import parse_manifest
+from flashckpt.store.format.manifest import parse_manifest
 from flashckpt.store.store import step_name
 
 

@@ -39,7 +39,7 @@ part() {  # part NAME SECONDS CMD...
 }
 
 part pytest_gpu 60 "$PY" -m pytest -o addopts="" -m gpu -q -p no:cacheprovider \
-  tests/engine/test_gpu.py tests/state/test_rng.py tests/memory/test_prealloc_monitor.py
+  tests/engine/save/test_gpu.py tests/state/test_rng.py tests/memory/test_prealloc_monitor.py
 part save_bench 90 "$PY" benchmarks/save_bench.py --gpu --size-gb 1.2 --repeats 2 \
   --parts save,rss,gil --dir "$BENCH_DIR" --out "$OUT/save_bench.json"
 part loop_bench 120 "$PY" benchmarks/loop_bench.py --gpu --dir "$BENCH_DIR" --out "$OUT/loop_bench.json"

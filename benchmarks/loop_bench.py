@@ -14,7 +14,7 @@ the cold first save, every measurement in a fresh process, side by side in one r
    overlap — flashckpt async after a restart (a checkpoint of the state is in the root; the
    process constructs the Checkpointer, restores, saves), the same with a memory tier in
    /dev/shm after a SIGKILL (``flashckpt_restart_memory``: the killed run leaves its staging
-   arena there, engine/arena.py), flashckpt async in an empty root,
+   arena there, engine/tiers/arena.py), flashckpt async in an empty root,
    ``dcp.async_save`` (until it returns: its default stager copies synchronously) and
    ``torch.save`` + fsync;
 2. *extra loop time*: a demo-GPT training loop (state ~110 MB) saving at its 4th step (the

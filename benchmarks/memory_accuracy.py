@@ -367,8 +367,8 @@ def hf_config(name: str, overrides: dict[str, Any], width: int = 128) -> Any:
 def cpu_rows(batch: int = 2, seq: int = 128) -> list[dict[str, Any]]:
     import transformers
 
-    from flashckpt.memory.measure import trace_model
     from flashckpt.memory.options import EstimateOptions
+    from flashckpt.memory.trace.measure import trace_model
 
     rows = []
     for name, over, rec, accum in HF_CPU:

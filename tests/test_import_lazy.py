@@ -14,8 +14,8 @@ import pytest
 # what `import flashckpt` must not pull in (each is loaded by the first Checkpointer/restore)
 LAZY = (
     "flashckpt.engine",
-    "flashckpt.engine.checkpointer",
-    "flashckpt.dist",
+    "flashckpt.engine.runtime.checkpointer",
+    "flashckpt.distributed",
     "flashckpt.store",
     "flashckpt.state",
     "flashckpt.policy",
@@ -49,8 +49,8 @@ def test_import_flashckpt_loads_no_heavy_module():
 
 def test_public_names_resolve_lazily_to_their_definitions():
     import flashckpt
-    from flashckpt.engine.checkpointer import Checkpointer
-    from flashckpt.engine.readonly import restore
+    from flashckpt.engine.restore.readonly import restore
+    from flashckpt.engine.runtime.checkpointer import Checkpointer
 
     assert flashckpt.Checkpointer is Checkpointer and flashckpt.restore is restore
     assert flashckpt.policy.__name__ == "flashckpt.policy"

@@ -1,15 +1,21 @@
 """The layers stay honest (STYLE.md, DESIGN.md "Layout"), checked on the source itself:
 
-* layers only import downward: ``cli -> integrations/demo -> engine/dist/report -> store/state``,
-  with ``memory``, ``policy`` and the top-level modules at the bottom; library code never
-  imports ``cli``;
-* only ``engine/`` and ``dist/`` start threads or processes (``cli`` and ``demo`` are the
-  programs on top: the benchmarks and the demo run child processes); only ``dist/`` runs
+* layers only import downward, in the order of ``LEVEL`` below: the bottom (errors, units,
+  policy, memory), then store's file gateway, its on-disk format, state and the store itself;
+  engine's stages in the order a checkpoint lives them (``engine.tiers`` -> ``engine.save`` /
+  ``engine.restore`` -> ``distributed`` -> ``engine.runtime``), then integrations and demo, and
+  ``cli`` on top; library code never imports ``cli``;
+* only ``engine/`` and ``distributed/`` start threads or processes (``cli`` and ``demo`` are the
+  programs on top: the benchmarks and the demo run child processes); only ``distributed/`` runs
   torch.distributed collectives;
-* no import cycles among module-level imports.
+* no import cycles, counting every import: module level, inside functions, and under
+  ``if TYPE_CHECKING:`` (a cycle of annotations is still two modules that each think they own
+  the other);
+* no folder holds more than 16 modules.
 
-Imports under ``if TYPE_CHECKING:`` are not imports at run time and are not counted. Each check
-also runs on a small tree made to break it, so a check that cannot fail would show.
+Imports under ``if TYPE_CHECKING:`` do not count as upward imports (they are not imports at run
+time). Each check also runs on a small tree made to break it, so a check that cannot fail would
+show.
 """
 
 from __future__ import annotations
@@ -19,21 +25,32 @@ import textwrap
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flashckpt"
-LEVEL = {
-    "": 0,  # flashckpt/__init__.py, errors.py, journal.py, units.py
-    "store": 0,
-    "state": 0,
-    "memory": 0,
-    "policy": 0,
-    "engine": 1,
-    "dist": 1,
-    "report": 1,
-    "integrations": 2,
-    "demo": 2,
-    "cli": 3,
+# module prefix -> level; the longest prefix that matches decides (flashckpt.engine.save.job:
+# "engine.save"). A module may import only modules of its own level or below.
+LEVEL: dict[str, float] = {
+    "": 0,  # flashckpt/__init__.py, errors.py, units.py, version.py, dist.py (lazy alias)
+    "policy": 0.5,
+    "memory": 0.5,
+    "store.files": 1,  # the file gateway and the backends
+    "journal": 1.5,  # writes through the gateway
+    "store.format": 2,  # what rests on disk
+    "state": 2.5,  # flattening a state tree, and back (uses the format's dtypes)
+    "store": 3,  # the checkpoint store and chunk liveness
+    "engine": 4,  # engine/options.py, engine/device.py
+    "engine.tiers": 4,
+    "engine.save": 5,
+    "engine.restore": 5,
+    "distributed.group": 6,
+    "distributed.replication": 6.5,
+    "distributed": 7,
+    "engine.runtime": 8,
+    "report": 8,
+    "integrations": 9,
+    "demo": 9,
+    "cli": 10,
 }
 SPAWNS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "Popen", "Process", "fork"}
-SPAWNING = {"engine", "dist", "cli", "demo"}
+SPAWNING = {"engine", "distributed", "cli", "demo"}
 COLLECTIVES = {
     "all_reduce",
     "all_gather",
@@ -61,32 +78,46 @@ def modules(src: Path) -> dict[str, Path]:
 
 
 def layer(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LEVEL) else ""
+    """The ``LEVEL`` key of ``module``: its longest matching prefix below ``flashckpt.``."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LEVEL:
+            return ".".join(parts[:n])
+    return ""
 
 
-def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, bool]]:
-    """(imported module, inside a function) for every run-time import of ``path``."""
-    found: list[tuple[str, bool]] = []
+def top(module: str) -> str:
+    """The top-level package of ``module`` (``engine``, ``distributed``, ...), "" for top-level
+    modules."""
+    return layer(module).split(".")[0]
 
-    def visit(node: ast.AST, in_func: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                for sub in child.orelse:
-                    visit(sub, in_func)
+
+MODULE, FUNCTION, TYPING = "at module level", "in a function", "under TYPE_CHECKING"
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
+    """(imported module, where) for every import of ``path``; ``where`` is MODULE, FUNCTION or
+    TYPING (inside ``if TYPE_CHECKING:``, not an import at run time)."""
+    found: list[tuple[str, str]] = []
+
+    def visit(nodes: list[ast.stmt] | list[ast.AST], where: str) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.body, TYPING)
+                visit(node.orelse, where)
                 continue
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child, True)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(list(ast.iter_child_nodes(node)), FUNCTION if where == MODULE else where)
                 continue
-            if isinstance(child, ast.Import):
-                found.extend((a.name, in_func) for a in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                for a in child.names:  # ``from pkg import mod`` imports the module pkg.mod
-                    sub = f"{child.module}.{a.name}"
-                    found.append((sub if sub in known else child.module, in_func))
-            visit(child, in_func)
+            if isinstance(node, ast.Import):
+                found.extend((a.name, where) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:  # ``from pkg import mod`` imports the module pkg.mod
+                    sub = f"{node.module}.{a.name}"
+                    found.append((sub if sub in known else node.module, where))
+            visit(list(ast.iter_child_nodes(node)), where)
 
-    visit(ast.parse(path.read_text()), False)
+    visit([ast.parse(path.read_text())], MODULE)
     return found
 
 
@@ -98,9 +129,10 @@ def _calls(path: Path) -> list[str]:
 def upward_imports(mods: dict[str, Path]) -> list[str]:
     bad = []
     for m, path in mods.items():
-        for imp, in_func in imports(path, mods):
-            if imp.startswith("flashckpt.") and LEVEL[layer(imp)] > LEVEL[layer(m)]:
-                where = "in a function" if in_func else "at module level"
+        for imp, where in imports(path, mods):
+            if where == TYPING or not imp.startswith("flashckpt."):
+                continue
+            if LEVEL[layer(imp)] > LEVEL[layer(m)]:
                 bad.append(f"{m} ({layer(m) or 'top'}) imports {imp} {where}")
     return bad
 
@@ -108,7 +140,7 @@ def upward_imports(mods: dict[str, Path]) -> list[str]:
 def spawns(mods: dict[str, Path]) -> list[str]:
     bad = []
     for m, path in mods.items():
-        if layer(m) in SPAWNING:
+        if top(m) in SPAWNING:
             continue
         for c in _calls(path):
             if c.split(".")[-1] in SPAWNS or c.startswith("subprocess."):
@@ -119,7 +151,7 @@ def spawns(mods: dict[str, Path]) -> list[str]:
 def collectives(mods: dict[str, Path]) -> list[str]:
     bad = []
     for m, path in mods.items():
-        if layer(m) == "dist":
+        if top(m) == "distributed":
             continue
         for c in _calls(path):
             head, _, name = c.rpartition(".")
@@ -129,9 +161,10 @@ def collectives(mods: dict[str, Path]) -> list[str]:
 
 
 def find_cycle(mods: dict[str, Path]) -> list[str] | None:
+    """The first import cycle found, counting every import (module level, in functions and
+    under TYPE_CHECKING), as [a, b, ..., a]; None when there is none."""
     graph = {
-        m: sorted({i for i, f in imports(p, mods) if not f and i in mods and i != m})
-        for m, p in mods.items()
+        m: sorted({i for i, _ in imports(p, mods) if i in mods and i != m}) for m, p in mods.items()
     }
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -154,31 +187,58 @@ def find_cycle(mods: dict[str, Path]) -> list[str] | None:
     return None
 
 
+def crowded(src: Path, limit: int = 16) -> list[str]:
+    """Folders of the package holding more than ``limit`` modules (``__init__`` not counted)."""
+    bad = []
+    for d in sorted(p for p in [src, *src.rglob("*")] if p.is_dir() and p.name != "__pycache__"):
+        n = len([f for f in d.glob("*.py") if f.name != "__init__.py"])
+        if n > limit:
+            bad.append(f"{d.relative_to(src.parent)}: {n} modules")
+    return bad
+
+
 MODULES = modules(SRC)
 
 
 def test_the_walk_sees_the_whole_package() -> None:
-    assert {"flashckpt.engine.checkpointer", "flashckpt.store.store", "flashckpt.cli"} <= set(
-        MODULES
-    )
+    assert {
+        "flashckpt.engine.runtime.checkpointer",
+        "flashckpt.store.store",
+        "flashckpt.cli",
+    } <= set(MODULES)
     assert {layer(m) for m in MODULES} <= set(LEVEL), "a new top-level package needs a level"
-    assert ("flashckpt.store.manifest", False) in imports(MODULES["flashckpt.engine.save"], MODULES)
+    job = imports(MODULES["flashckpt.engine.save.job"], MODULES)
+    assert ("flashckpt.store.format.manifest", MODULE) in job
+    assert ("flashckpt.engine.tiers.build", TYPING) in job
 
 
 def test_imports_go_downward_only() -> None:
     assert upward_imports(MODULES) == []
 
 
-def test_only_engine_and_dist_start_threads_or_processes() -> None:
+def test_only_engine_and_distributed_start_threads_or_processes() -> None:
     assert spawns(MODULES) == []
 
 
-def test_only_dist_runs_collectives() -> None:
+def test_only_distributed_runs_collectives() -> None:
     assert collectives(MODULES) == []
 
 
 def test_no_import_cycles() -> None:
     assert find_cycle(MODULES) is None
+
+
+def test_no_folder_over_16_modules() -> None:
+    assert crowded(SRC) == []
+
+
+def test_engine_reads_as_the_pipeline() -> None:
+    engine = SRC / "engine"
+    stages = sorted(p.name for p in engine.iterdir() if (p / "__init__.py").exists())
+    assert stages == ["restore", "runtime", "save", "tiers"]
+    for stage in stages:  # each stage says what it owns and what it may call
+        doc = ast.get_docstring(ast.parse((engine / stage / "__init__.py").read_text())) or ""
+        assert "Owns" in doc and "May call" in doc, stage
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
@@ -201,22 +261,54 @@ def test_each_check_finds_what_it_is_for(tmp_path: Path) -> None:
                 from typing import TYPE_CHECKING
                 from flashckpt.store import b
                 if TYPE_CHECKING:
-                    from flashckpt.cli import main  # not at run time: allowed
+                    from flashckpt.cli import main  # not at run time: not upward
                 def later():
-                    from flashckpt.engine import save  # upward, in a function
+                    from flashckpt.engine.save import job  # upward, in a function
                     threading.Thread(target=later).start()
             """,
             "store/b.py": "import flashckpt.store.a\n",  # a <-> b
             "policy/__init__.py": "",
             "policy/p.py": "import torch.distributed as dist\ndist.all_reduce(1)\n",
             "engine/__init__.py": "",
-            "engine/save.py": "import subprocess\nsubprocess.run(['true'])\n",  # allowed here
+            "engine/save/__init__.py": "",
+            "engine/save/job.py": "import subprocess\nsubprocess.run(['true'])\n",  # allowed here
+            # the stages' order: tiers sit below save
+            "engine/tiers/__init__.py": "",
+            "engine/tiers/t.py": "from flashckpt.engine.save.job import x\n",
             "cli/__init__.py": "",
         },
     )
     assert upward_imports(mods) == [
-        "flashckpt.store.a (store) imports flashckpt.engine.save in a function"
+        "flashckpt.engine.tiers.t (engine.tiers) imports flashckpt.engine.save.job at module level",
+        "flashckpt.store.a (store) imports flashckpt.engine.save.job in a function",
     ]
     assert spawns(mods) == ["flashckpt.store.a calls threading.Thread"]
     assert collectives(mods) == ["flashckpt.policy.p calls dist.all_reduce"]
     assert find_cycle(mods) == ["flashckpt.store.a", "flashckpt.store.b", "flashckpt.store.a"]
+
+
+def test_a_cycle_through_function_or_typing_imports_is_a_cycle(tmp_path: Path) -> None:
+    mods = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/a.py": "def f():\n    from flashckpt.engine import b\n",
+            "engine/b.py": """
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from flashckpt.engine.a import f
+            """,
+            "engine/c.py": "from flashckpt.engine import a\n",  # no cycle through c
+        },
+    )
+    assert find_cycle(mods) == ["flashckpt.engine.a", "flashckpt.engine.b", "flashckpt.engine.a"]
+
+
+def test_a_crowded_folder_is_found(tmp_path: Path) -> None:
+    files = {"__init__.py": "", "engine/__init__.py": ""}
+    files |= {f"engine/m{i}.py": "" for i in range(17)}
+    _tree(tmp_path, files)
+    assert crowded(tmp_path / "flashckpt") == ["flashckpt/engine: 17 modules"]
+    (tmp_path / "flashckpt" / "engine" / "m0.py").unlink()
+    assert crowded(tmp_path / "flashckpt") == []

@@ -14,7 +14,6 @@ only catches flashckpt's errors pays nothing. tests/test_import_lazy.py keeps it
 from __future__ import annotations
 
 import importlib
-import time
 from typing import TYPE_CHECKING, Any
 
 from flashckpt.errors import (
@@ -30,26 +29,26 @@ from flashckpt.errors import (
     StorageError,
     UnsupportedStateError,
 )
+from flashckpt.version import IMPORTED_T as _IMPORTED_T  # noqa: F401 (a restart milestone)
+from flashckpt.version import __version__
 
 if TYPE_CHECKING:
     from flashckpt import policy
-    from flashckpt.engine.checkpointer import Checkpointer
-    from flashckpt.engine.handle import SaveHandle, SaveStats
-    from flashckpt.engine.promote import Promotion
-    from flashckpt.engine.readonly import restore
+    from flashckpt.engine.restore.readonly import restore
+    from flashckpt.engine.runtime.checkpointer import Checkpointer
+    from flashckpt.engine.save.handle import SaveHandle, SaveStats
+    from flashckpt.engine.tiers.promote import Promotion
     from flashckpt.state.rng import RNG
     from flashckpt.state.sampler import ResumableSampler
 
-__version__ = "0.1.0"
-_IMPORTED_T = time.time()  # when flashckpt was imported (engine/restart.py: a restart milestone)
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "Checkpointer": "flashckpt.engine.checkpointer",
-    "SaveHandle": "flashckpt.engine.handle",
-    "SaveStats": "flashckpt.engine.handle",
-    "Promotion": "flashckpt.engine.promote",
-    "restore": "flashckpt.engine.readonly",
+    "Checkpointer": "flashckpt.engine.runtime.checkpointer",
+    "SaveHandle": "flashckpt.engine.save.handle",
+    "SaveStats": "flashckpt.engine.save.handle",
+    "Promotion": "flashckpt.engine.tiers.promote",
+    "restore": "flashckpt.engine.restore.readonly",
     "RNG": "flashckpt.state.rng",
     "ResumableSampler": "flashckpt.state.sampler",
 }

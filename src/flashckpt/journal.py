@@ -24,7 +24,7 @@ running under torch.distributed. Event names and their fields:
 ``restart``          ``step`` (first resumed), ``restart_seconds`` (kill -> that step) = ``down_s``
                      + ``start_s`` + ``restore_s`` (null: nothing loaded) + ``first_step_s``;
                      ``restored_step``, ``killed_t``, ``process_t``, ``start_source``,
-                     ``imported_s``, ``ready_s`` (see engine/restart.py)
+                     ``imported_s``, ``ready_s`` (see engine/runtime/restart.py)
 ``step_time``        ``step``, ``seconds`` (mean training step time since the last record)
 ``memory``           ``phase``, ``allocated_bytes``, ``reserved_bytes``, ``max_allocated_bytes``,
                      ``fragmentation_bytes``, ``alloc_retries``
@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.errors import FlashCkptError
-from flashckpt.store import safeopen
-from flashckpt.store.jsonfile import load_object
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.jsonfile import load_object
 
 log = logging.getLogger(__name__)
 

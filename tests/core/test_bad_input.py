@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 
 
 def _files(root):

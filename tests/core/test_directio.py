@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import flashckpt
-from flashckpt.store import directio
-from flashckpt.store.backend import LocalBackend
-from flashckpt.store.directio import ALIGN, write_parts
+from flashckpt.store.files import directio
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.files.directio import ALIGN, write_parts
 
 
 def _aligned(nbytes: int, seed: int = 0) -> np.ndarray:

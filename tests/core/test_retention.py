@@ -9,7 +9,7 @@ import torch
 
 import flashckpt
 from flashckpt.policy import KeepEvery, KeepLast
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import CheckpointStore
 

@@ -102,7 +102,7 @@ def test_context_manager_and_closed(tmp_path, make_state):
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_roundtrip_from_the_memory_tier_bitwise(tmp_path, make_state, state_equal, compression):
     """Restore reads the memory tier's chunks by mapping them when it is a tmpfs
-    (engine/reader.py); the state comes back bit for bit either way."""
+    (engine/restore/reader.py); the state comes back bit for bit either way."""
     import os
     import shutil
     from pathlib import Path

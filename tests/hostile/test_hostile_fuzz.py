@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashckpt
-from flashckpt.engine.tierconfig import read_config
+from flashckpt.engine.tiers.config import read_config
 from flashckpt.integrations import interop
 from flashckpt.journal import iter_events, parse_line
 from flashckpt.report.summary import summarize
-from flashckpt.store.manifest import parse_manifest
+from flashckpt.store.format.manifest import parse_manifest
 
 pytestmark = pytest.mark.timeout(120)
 FUZZ = settings(

@@ -13,7 +13,7 @@ import flashckpt
 from flashckpt.cli import main
 from flashckpt.journal import Journal, read_events
 from flashckpt.policy import Auto
-from flashckpt.store.jsonfile import load_json
+from flashckpt.store.files.jsonfile import load_json
 from hostile.util import small_state
 
 pytestmark = pytest.mark.timeout(60)

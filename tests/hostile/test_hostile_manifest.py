@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.store.backend import LocalBackend
-from flashckpt.store.manifest import TensorEntry, check_allocatable, parse_manifest
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.format.manifest import TensorEntry, check_allocatable, parse_manifest
+from flashckpt.store.format.tiling import check_tiling
 from flashckpt.store.store import CheckpointStore
-from flashckpt.store.tiling import check_tiling
 from flashckpt.store.verify import verify_step
 from hostile.util import manifest_path, restore_newest, small_state
 

@@ -17,8 +17,8 @@ import torch
 
 import flashckpt
 from flashckpt.cli import main
-from flashckpt.store import safeopen
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import CheckpointStore
 from hostile.util import manifest_path, restore_newest, small_state
@@ -274,7 +274,7 @@ def test_symlinked_root_lock_is_not_followed(two_steps, outside):
 def test_direct_io_probe_never_follows_a_planted_link(tmp_path, outside):
     import os
 
-    from flashckpt.store import directio
+    from flashckpt.store.files import directio
 
     (tmp_path / f".direct-probe-{os.getpid()}").symlink_to(outside.path / "victim.txt")
     assert directio.supported(tmp_path) is False

@@ -13,8 +13,8 @@ import pytest
 
 import flashckpt
 from flashckpt.cli import main
-from flashckpt.engine import tierid
-from flashckpt.engine.tierconfig import list_tiers, read_config
+from flashckpt.engine.tiers import identity as tierid
+from flashckpt.engine.tiers.config import list_tiers, read_config
 from hostile.util import small_state
 
 pytestmark = pytest.mark.timeout(60)

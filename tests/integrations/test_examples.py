@@ -126,7 +126,7 @@ def crash_resume_runs(tmp_path: Path, runs: int) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # 58 s; make test runs its crash and resume in tests/dist/test_example.py
+@pytest.mark.slow  # 58 s; make test runs its crash and resume in tests/distributed/test_example.py
 @pytest.mark.timeout(900)  # 4 torchrun launches
 def test_fsdp_example_crash_and_resume_exits_zero(tmp_path: Path) -> None:
     crash_resume_runs(tmp_path, 2)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import accelerate  # noqa: F401  (the Trainer needs it; in the test extra)
 
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.store import CheckpointStore
 
 WORKER = Path(__file__).with_name("hf_ddp_worker.py")

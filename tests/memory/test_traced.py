@@ -8,8 +8,8 @@ from hf_tiny import model as tiny
 
 from flashckpt.errors import ConfigError
 from flashckpt.memory import estimate
-from flashckpt.memory.measure import trace_model
 from flashckpt.memory.options import ALLOCATOR_WORKSPACE_BYTES, EstimateOptions
+from flashckpt.memory.trace.measure import trace_model
 
 B, S = 2, 16
 

@@ -1,6 +1,6 @@
 """Render the report in headless Chromium and check the plots are really drawn.
 
-Chromium is required (``.ci/run`` installs it); a missing browser fails this test loudly.
+Chromium is required (``make test`` installs it); a missing browser fails this test loudly.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _chromium() -> str:
     if exe is None:
         pytest.fail(
             "chromium is not installed; the report test renders the page in headless Chromium. "
-            "Install it with: apt-get update && apt-get install -y chromium (or run .ci/run)"
+            "Install it with: apt-get update && apt-get install -y chromium (or run make test)"
         )
     return exe
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import flashckpt
-from flashckpt.dist.elastic import init_process_group, restart_count
+from flashckpt.distributed.group.elastic import init_process_group, restart_count
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -21,8 +21,8 @@ from flashckpt.errors import LockedError, StorageError
 from flashckpt.policy import KeepLast
 from flashckpt.store import gc as gc_mod
 from flashckpt.store import lock as lock_mod
-from flashckpt.store import manifest as manifest_mod
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.format import manifest as manifest_mod
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.lock import RootLock, WriterLock
 from flashckpt.store.pins import PIN_DIR, new_record, write_pin
@@ -194,7 +194,7 @@ def test_verify_racing_retention_reports_no_false_damage(tmp_path, monkeypatch):
 
 def test_restore_racing_retention_does_not_journal_corrupt(tmp_path, monkeypatch):
     _save(tmp_path, {1: 1.0})
-    from flashckpt.engine import load
+    from flashckpt.engine.restore import load
 
     real = load.check_chunks_present
 
@@ -216,7 +216,7 @@ def test_restore_racing_retention_does_not_journal_corrupt(tmp_path, monkeypatch
 def test_ls_skips_a_step_deleted_between_listing_and_reading(tmp_path, monkeypatch, capsys):
     """`flashckpt ls` next to a training job printed DAMAGED for steps retention had deleted."""
     from flashckpt.cli import store_cmds
-    from flashckpt.engine import tierconfig
+    from flashckpt.engine.tiers import config as tierconfig
 
     _save(tmp_path, {2: 2.0})
     store = CheckpointStore(LocalBackend(tmp_path))
@@ -323,7 +323,7 @@ import sys, time
 from pathlib import Path
 import torch
 import flashckpt
-from flashckpt.engine import checkpointer
+from flashckpt.engine.runtime import checkpointer
 from flashckpt.store import lock
 from flashckpt.store.store import CheckpointStore
 

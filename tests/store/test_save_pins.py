@@ -1,4 +1,4 @@
-"""A save's chunk decisions go through its liveness window (engine/ledger.py).
+"""A save's chunk decisions go through its liveness window (engine/save/ledger.py).
 
 ``SaveJob._reuse`` records the hash and asks the ledger."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from flashckpt.engine.handle import SaveHandle, SaveStats
-from flashckpt.engine.save import SaveJob
-from flashckpt.store.backend import LocalBackend
+from flashckpt.engine.save.handle import SaveHandle, SaveStats
+from flashckpt.engine.save.job import SaveJob
+from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.pins import PIN_DIR
 from flashckpt.store.store import CheckpointStore
 

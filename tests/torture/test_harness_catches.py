@@ -25,7 +25,7 @@ from torture_oracle import ViolationError, disk_steps, manifest_path
 from torture_sim import Sim
 
 import flashckpt
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ from torture_oracle import disk_steps, manifest_path, temp_files
 import flashckpt
 from flashckpt.cli import main as cli_main
 from flashckpt.errors import StorageError
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 
 N = 8192  # 32 KiB of float32: two 16 KiB chunks
 

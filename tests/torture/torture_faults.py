@@ -1,6 +1,6 @@
 """A fault-injecting storage layer for the torture harness.
 
-:func:`install` wraps the methods of :class:`flashckpt.store.backend.LocalBackend` (the class
+:func:`install` wraps the methods of :class:`flashckpt.store.files.backend.LocalBackend` (the class
 every local tier, the CLI and gc use) for the duration of a test. Whether a call fails is a pure
 function of ``(seed, operation index, method, path, n-th such call in this operation)``, so the
 same seed injects the same faults whatever order the library's threads make their calls in.
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.errors import StorageError
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.files.backend import LocalBackend
 
 KINDS = (
     "eio_read",

@@ -32,7 +32,7 @@ from torture_oracle import (
 
 import flashckpt
 from flashckpt.cli import main as cli_main
-from flashckpt.engine.promote import Promotion
+from flashckpt.engine.tiers.promote import Promotion
 
 OPS_PER_TRIAL = 40
 

@@ -35,8 +35,8 @@ import torture_reader
 from torture_model import build, train_step
 
 import flashckpt
-from flashckpt.engine.promote import Promotion
-from flashckpt.store.backend import LocalBackend
+from flashckpt.engine.tiers.promote import Promotion
+from flashckpt.store.files.backend import LocalBackend
 
 
 def slow_io(seed: int, put_delay_s: float = 0.0) -> None:

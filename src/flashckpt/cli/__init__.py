@@ -20,7 +20,7 @@ COMMAND_MODULES = ("demo", "store_cmds", "report", "status", "plan", "interop", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flashckpt import __version__
+    from flashckpt.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="flashckpt",

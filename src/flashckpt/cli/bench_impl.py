@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashckpt.engine.checkpointer import Checkpointer
+from flashckpt.engine.runtime.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 

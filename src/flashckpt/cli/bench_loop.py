@@ -27,7 +27,7 @@ import xxhash
 
 from flashckpt.cli.bench_impl import build_state, fsync_dir, state_nbytes, write_all
 from flashckpt.demo.model import GPT, GPTConfig
-from flashckpt.engine.checkpointer import Checkpointer
+from flashckpt.engine.runtime.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 

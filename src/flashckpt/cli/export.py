@@ -73,7 +73,7 @@ def _writing(out: Path, write: Callable[[], T]) -> T:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from flashckpt.cli.store_cmds import open_store, pick_step
+    from flashckpt.cli.roots import open_store, pick_step
 
     out = Path(args.out)
     check_output(out, directory=args.format in ("dcp", "hf"))

@@ -29,7 +29,7 @@ from flashckpt.memory import (
 from flashckpt.memory.estimate import OPTIMIZER_IMPLS, OPTIMIZERS
 from flashckpt.memory.gpus import GPU
 from flashckpt.memory.hf import build_hf_model, hf_config, transformers_available
-from flashckpt.memory.recompute import RecomputePlan
+from flashckpt.memory.recompute.planner import RecomputePlan
 from flashckpt.memory.sizing import FormulaSizer, TracedSizer, largest_batch
 from flashckpt.memory.units import format_bytes, parse_bytes
 

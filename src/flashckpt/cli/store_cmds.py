@@ -16,32 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.cli.progress import Progress
-from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError
+from flashckpt.cli.roots import open_store, pick_step
+from flashckpt.errors import FlashCkptError, NoCheckpointError
 from flashckpt.journal import JOURNAL_NAME, Journal
-from flashckpt.store.backend import LocalBackend
+from flashckpt.store.format.manifest import Manifest
 from flashckpt.store.gc import collect_garbage
-from flashckpt.store.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 from flashckpt.store.verify import verify_step
 from flashckpt.units import format_bytes
-
-
-def open_store(root: str) -> CheckpointStore:
-    p = Path(root).expanduser()
-    if not (p / "steps").is_dir():
-        raise ConfigError(f"{root} is not a flashckpt checkpoint root (no steps/ directory)")
-    return CheckpointStore(LocalBackend(p, create=False))
-
-
-def pick_step(store: CheckpointStore, step: int | None) -> int:
-    steps = store.steps()
-    if not steps:
-        raise NoCheckpointError(f"{store.url} holds no checkpoint")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise NoCheckpointError(f"step {step} is not in {store.url}; steps: {steps}")
-    return step
 
 
 def register(sub: Any) -> None:
@@ -77,7 +59,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from flashckpt.engine.tierconfig import list_tiers
+    from flashckpt.engine.tiers.config import list_tiers
 
     held = list_tiers(args.root, memory_tier=args.memory_tier, remote=args.remote)
     rows = [("step", "time", "tensors", "size", "new", "reused", "tiers")]
@@ -115,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _replicated(held: dict[int, list[tuple[str, CheckpointStore]]]) -> set[int]:
     """Steps the memory tier (under peer replication) records as held by a peer node too."""
-    from flashckpt.dist.record import replicated_steps
+    from flashckpt.distributed.replication.record import replicated_steps
 
     for holders in held.values():
         for name, store in holders:
@@ -218,7 +200,7 @@ def _changed(
 ) -> list[tuple[str, str, str]]:
     """Rows for tensors whose bytes differ. Chunk hashes rule out unchanged tensors without
     reading; the rest are read and compared element-wise."""
-    from flashckpt.engine.reader import read_tensors
+    from flashckpt.engine.restore.reader import read_tensors
 
     def spans(m: Manifest, key: str) -> list[tuple[str, int, int]]:
         e = m.tensors[key]

@@ -14,8 +14,8 @@ record per step (compute and blocking seconds). Processes follow each other in t
 - **Restart** (per kill): kill → first completed step of the next process, split into process
   (kill → spawn), imports (interpreter start and imports), build (model and optimizer), restore
   (opening the checkpointer and loading), and the first step. For the flashckpt method, pass
-  its ``journal``: a process that journaled a ``restart`` (engine/restart.py) contributes that
-  ``restart_seconds`` (kill = the killed run's last sign of life, so it errs long by at most
+  its ``journal``: a process that journaled a ``restart`` (engine/runtime/restart.py) contributes
+  that ``restart_seconds`` (kill = the killed run's last sign of life, so it errs long by at most
   a step) instead of the log's, and ``journal_restart_parts_s`` holds the journal's mean parts
   (down, start, restore, first_step); ``restart_journaled`` counts them. A journaled restart
   whose kill instant precedes the kill before this one spans two failures (a restarted

@@ -6,7 +6,7 @@ async, the ``Auto`` interval), ``torch_save`` (``torch.save`` + fsync + rename) 
 newest complete checkpoint; ``none`` (the baseline: no checkpointing, ``CFG["steps"]`` steps,
 no kills) measures the undisturbed step time and the cold start. The peers save at the
 Young/Daly interval of their own measured cost: the same :class:`~flashckpt.policy.Auto`
-policy, fed by the same :class:`~flashckpt.engine.meter.RunMeter` the Checkpointer uses (a
+policy, fed by the same :class:`~flashckpt.engine.runtime.meter.RunMeter` the Checkpointer uses (a
 save costs its blocking plus what the steps lost while it persisted; until 2026-12-01 the peers
 were fed their blocking time only, so ``dcp.async_save``, which blocks for milliseconds, saved
 every few steps while its background writes slowed every step).
@@ -34,7 +34,7 @@ import torch
 import flashckpt
 from flashckpt import Promotion
 from flashckpt.demo.model import GPT, GPTConfig
-from flashckpt.engine.meter import RunMeter
+from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.policy import Auto, KeepLast
 
 T_IMPORTED = time.time()  # ``python -m`` imported torch and flashckpt before this line ran

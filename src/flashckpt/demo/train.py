@@ -30,7 +30,7 @@ def _distributed() -> tuple[int, int]:
         return 0, 1
     import torch.distributed as dist
 
-    from flashckpt.dist import init_process_group  # survives torchrun --max-restarts
+    from flashckpt.distributed import init_process_group
 
     init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()

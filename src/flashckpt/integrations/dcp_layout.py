@@ -31,7 +31,7 @@ to names by, in order of preference:
    rather than guess.
 
 **Import** (:func:`import_dcp`, and ``flashckpt import`` when :func:`is_nested`) reads a DCP
-checkpoint in that layout (``interop.load_dcp`` reads the tensors) and saves a flashckpt step
+checkpoint in that layout (``dcp_metadata.load_dcp`` reads the tensors) and saves a flashckpt step
 with one entry per top-level DCP name: the model entry ``{fqn: tensor}`` restores into the
 model; the optimizer entry is FQN-keyed and restores into the plain optimizer, named through
 the model restored with it (state/optim_names.py), or through :class:`OptimizerByName`::
@@ -296,8 +296,8 @@ def import_dcp(
     compression: str | None = None,
 ) -> dict[str, Any]:
     """Save the nested DCP checkpoint ``src`` as flashckpt step ``step`` of ``root``."""
-    from flashckpt.engine.checkpointer import Checkpointer
-    from flashckpt.integrations.interop import load_dcp
+    from flashckpt.engine.runtime.checkpointer import Checkpointer
+    from flashckpt.integrations.dcp_metadata import load_dcp
 
     state = nest_dcp(load_dcp(src))
     with Checkpointer(root, compression=compression) as ckpt:

@@ -1,4 +1,5 @@
-"""Reading a DCP checkpoint's ``.metadata`` without running code from it.
+"""Reading a DCP checkpoint without running code from it: its ``.metadata``, then its tensors
+(:func:`load_dcp`, which ``flashckpt import`` and ``dcp_layout.import_dcp`` both use).
 
 ``torch.distributed.checkpoint`` stores its metadata as a pickle and loads it with
 ``pickle.load``, which runs whatever the file tells it to. flashckpt never does: it reads the
@@ -14,17 +15,23 @@ format detection never picks a pickled format.
 from __future__ import annotations
 
 import io
+import logging
+import math
 import os
 import pickle  # restricted: see _RestrictedUnpickler.find_class
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flashckpt.errors import ConfigError, FlashCkptError
-from flashckpt.store import safeopen
+from flashckpt.store.files import safeopen
+
+log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 256 << 20
+SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, set[str]] = {
@@ -127,3 +134,44 @@ def safe_reader(src: str | os.PathLike[str]) -> Any:
             return md
 
     return _SafeReader(str(src))
+
+
+def load_dcp(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, keyed by its flattened DCP name. Its metadata is read
+    with the restricted unpickler (:func:`~flashckpt.integrations.dcp_metadata.read_metadata`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not Path(src).is_dir():
+        raise ConfigError(f"DCP checkpoint {src} is not a directory")
+    metadata = read_metadata(src)
+    state: dict[str, torch.Tensor] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            check_fits(fqn, md.size, md.properties.dtype, src)
+            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            log.warning("import: skipping DCP entry %r (pickled bytes, not a tensor)", fqn)
+    if not state:
+        raise ConfigError(f"DCP checkpoint {src} holds no tensors")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
+            dcp.load(state, storage_reader=safe_reader(src), no_dist=True)
+    except FlashCkptError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot read the DCP checkpoint {src}: {type(exc).__name__}: {exc}"
+        ) from None
+    return state
+
+
+def check_fits(key: str, size: Any, dtype: torch.dtype, src: Any) -> None:
+    from flashckpt.store.format.manifest import machine_memory_bytes
+
+    nbytes = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > machine_memory_bytes():
+        raise ConfigError(
+            f"DCP entry {key!r} in {src} claims {nbytes} bytes, more than this machine's memory"
+        )

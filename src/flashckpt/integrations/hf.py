@@ -50,7 +50,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from flashckpt.engine.checkpointer import Checkpointer
+from flashckpt.engine.runtime.checkpointer import Checkpointer
 from flashckpt.errors import ConfigError, NoCheckpointError
 from flashckpt.state.rng import RNG
 

@@ -31,7 +31,6 @@ a warning (they would be unpickled by DCP itself).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import stat
 import warnings
@@ -41,14 +40,15 @@ from typing import Any
 
 import torch
 
-from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError, UnsupportedStateError
+from flashckpt.errors import ConfigError, NoCheckpointError, UnsupportedStateError
+from flashckpt.integrations.dcp_metadata import SINGLE_PROCESS as _SINGLE_PROCESS
+from flashckpt.integrations.dcp_metadata import load_dcp
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("dcp", "torch", "safetensors")
 EXPORT_FORMATS = (*FORMATS, "hf")
 _NO_SAFETENSORS = "safetensors is not installed: pip install 'flashckpt[safetensors]'"
-_SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
 
 # -- export -------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def read_tensors(
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """``(step, {key: full tensor on CPU})`` of a committed step (newest when ``step`` is None)."""
     from flashckpt.integrations.saved import full_tensors
-    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.files.backend import LocalBackend
     from flashckpt.store.store import CheckpointStore
 
     path = Path(root).expanduser()
@@ -178,49 +178,6 @@ def detect_format(src: str | os.PathLike[str]) -> str:
     return "safetensors" if p.suffix == ".safetensors" else "torch"
 
 
-def load_dcp(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, keyed by its flattened DCP name. Its metadata is read
-    with the restricted unpickler (:func:`~flashckpt.integrations.dcp_metadata.read_metadata`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from flashckpt.integrations.dcp_metadata import read_metadata, safe_reader
-
-    if not Path(src).is_dir():
-        raise ConfigError(f"DCP checkpoint {src} is not a directory")
-    metadata = read_metadata(src)
-    state: dict[str, torch.Tensor] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            _check_fits(fqn, md.size, md.properties.dtype, src)
-            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-        else:
-            log.warning("import: skipping DCP entry %r (pickled bytes, not a tensor)", fqn)
-    if not state:
-        raise ConfigError(f"DCP checkpoint {src} holds no tensors")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-            dcp.load(state, storage_reader=safe_reader(src), no_dist=True)
-    except FlashCkptError:
-        raise
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot read the DCP checkpoint {src}: {type(exc).__name__}: {exc}"
-        ) from None
-    return state
-
-
-def _check_fits(key: str, size: Any, dtype: torch.dtype, src: Any) -> None:
-    from flashckpt.store.manifest import machine_memory_bytes
-
-    nbytes = math.prod(size) * torch.empty((), dtype=dtype).element_size()
-    if nbytes > machine_memory_bytes():
-        raise ConfigError(
-            f"DCP entry {key!r} in {src} claims {nbytes} bytes, more than this machine's memory"
-        )
-
-
 def _check_regular(path: Path) -> None:
     """An import source file must be a regular file (a FIFO or device would hang the read)."""
     try:
@@ -308,7 +265,7 @@ def import_checkpoint(
     ``format`` is detected when None. Raises :class:`~flashckpt.errors.ConfigError` when
     ``src`` is none of the formats or ``step`` already exists in ``root``.
     """
-    from flashckpt.engine.checkpointer import Checkpointer
+    from flashckpt.engine.runtime.checkpointer import Checkpointer
 
     fmt = format or detect_format(src)
     if fmt == "dcp":

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from flashckpt.engine.checkpointer import Checkpointer
+from flashckpt.engine.runtime.checkpointer import Checkpointer
 from flashckpt.errors import ConfigError, ManifestError
 from flashckpt.store.gc import collect_garbage
 

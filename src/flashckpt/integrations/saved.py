@@ -18,7 +18,7 @@ import torch
 
 from flashckpt.errors import ConfigError, NoCheckpointError
 from flashckpt.state.tree import decode_tree, tensor_refs
-from flashckpt.store.manifest import Manifest
+from flashckpt.store.format.manifest import Manifest
 from flashckpt.store.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class SavedStep:
 
 def open_root(root: str | os.PathLike[str]) -> CheckpointStore:
     """The store at ``root`` (read only); ConfigError when it is not a checkpoint root."""
-    from flashckpt.store.backend import LocalBackend
+    from flashckpt.store.files.backend import LocalBackend
 
     path = Path(root).expanduser()
     if not (path / "steps").is_dir():
@@ -57,7 +57,7 @@ def pick(store: CheckpointStore, root: str | os.PathLike[str], step: int | None)
 
 def load_step(root: str | os.PathLike[str], *, step: int | None = None) -> SavedStep:
     """Step ``step`` (newest when None) of ``root`` as decoded state entries."""
-    from flashckpt.engine.reader import read_tensors
+    from flashckpt.engine.restore.reader import read_tensors
 
     store = open_root(root)
     step = pick(store, root, step)
@@ -85,7 +85,7 @@ def full_tensors(
     store: CheckpointStore, manifest: Manifest, prefix: str | None
 ) -> dict[str, torch.Tensor]:
     """Every torch tensor of a checkpoint, full (shards merged), on CPU."""
-    from flashckpt.engine.reader import read_tensors
+    from flashckpt.engine.restore.reader import read_tensors
 
     keys = [
         k

@@ -1,10 +1,24 @@
 """GPU memory planning: will it fit, what to recompute, what to reserve, and watching the run.
 
 See the README, "Memory planning". A real model is measured: one training step traced on fake
-tensors (:mod:`flashckpt.memory.measure`). Shapes use formulas: ZeRO (Rajbhandari et al.
+tensors (:mod:`flashckpt.memory.trace.measure`). Shapes use formulas: ZeRO (Rajbhandari et al.
 2020) for model states, Korthikanti et al. 2022 for activations (:mod:`.formula`).
 """
 
+from flashckpt.memory.allocator.monitor import (
+    Action,
+    MemoryMonitor,
+    MemorySample,
+    MonitorPolicy,
+    decide,
+)
+from flashckpt.memory.allocator.prealloc import (
+    AllocatorSettings,
+    PreallocationReport,
+    apply_allocator_settings,
+    preallocate,
+    recommend_allocator_settings,
+)
 from flashckpt.memory.batch import BatchSizeResult, cuda_trial, max_batch_size, model_max_batch_size
 from flashckpt.memory.estimate import (
     BREAKDOWN_KEYS,
@@ -19,16 +33,7 @@ from flashckpt.memory.estimate import (
 )
 from flashckpt.memory.gpus import GPU, gpu_by_name, known_gpus
 from flashckpt.memory.hf import build_hf_model, hf_config
-from flashckpt.memory.monitor import Action, MemoryMonitor, MemorySample, MonitorPolicy, decide
-from flashckpt.memory.prealloc import (
-    AllocatorSettings,
-    PreallocationReport,
-    apply_allocator_settings,
-    preallocate,
-    recommend_allocator_settings,
-)
-from flashckpt.memory.profile import BlockProfile, ModelProfile, find_blocks, profile
-from flashckpt.memory.recompute import (
+from flashckpt.memory.recompute.planner import (
     MemoryPlanError,
     RecomputePlan,
     evaluate_plan,
@@ -37,6 +42,7 @@ from flashckpt.memory.recompute import (
     plan_recompute,
     sqrt_plan,
 )
+from flashckpt.memory.recompute.profile import BlockProfile, ModelProfile, find_blocks, profile
 from flashckpt.memory.shape_profile import shape_profile
 from flashckpt.memory.shapes import (
     TransformerShape,

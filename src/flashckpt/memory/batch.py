@@ -19,7 +19,7 @@ import torch
 
 from flashckpt.errors import ConfigError
 from flashckpt.memory.estimate import estimate
-from flashckpt.memory.recompute import MemoryPlanError
+from flashckpt.memory.recompute.planner import MemoryPlanError
 from flashckpt.memory.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Per-GPU memory of a training step: traced for a real model, closed forms for a shape.
 
 :func:`estimate` measures an ``nn.Module`` by running one real training step on fake
-tensors (:mod:`flashckpt.memory.measure`) and falls back to the formulas
+tensors (:mod:`flashckpt.memory.trace.measure`) and falls back to the formulas
 (:mod:`flashckpt.memory.formula`) for catalog names, ``TransformerShape`` objects and config
 numbers; ``MemoryEstimate.method`` says which answered.
 """
@@ -18,7 +18,6 @@ from torch import nn
 
 from flashckpt.errors import ConfigError
 from flashckpt.memory.formula import formula_estimate
-from flashckpt.memory.measure import trace_model, traced_estimate
 from flashckpt.memory.options import (
     ADAFACTOR_BYTES_PER_PARAM,
     ALLOCATOR_WORKSPACE_BYTES,
@@ -34,6 +33,7 @@ from flashckpt.memory.options import (
     recomputed_layers,
 )
 from flashckpt.memory.shapes import TransformerShape, resolve_shape
+from flashckpt.memory.trace.measure import trace_model, traced_estimate
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ __all__ = [
 
 
 def _layer_params(model: nn.Module) -> int:
-    from flashckpt.memory.profile import find_blocks
+    from flashckpt.memory.recompute.profile import find_blocks
 
     try:
         names = find_blocks(model)

@@ -248,8 +248,8 @@ class MemoryEstimate:
     """Per-GPU memory of one training step.
 
     ``method``: ``"traced"`` (one real step of the model metered on fake tensors, see
-    :mod:`flashckpt.memory.measure`) or ``"formula"`` (closed forms for a shape). ``breakdown``
-    holds each part at its own maximum; ``total_bytes`` is their sum, an upper bound.
+    :mod:`flashckpt.memory.trace.measure`) or ``"formula"`` (closed forms for a shape).
+    ``breakdown`` holds each part at its own maximum; ``total_bytes`` is their sum, an upper bound.
     ``peak_bytes`` is phase-aware: the largest of the phases' peaks (``phase_peaks``: forward
     and backward, the optimizer step), plus the CUDA context and the fragmentation margin.
     ``allocated_peak_bytes`` leaves out those two and is what ``torch.cuda.max_memory_allocated``

@@ -13,7 +13,7 @@ from typing import Any
 from flashckpt.errors import ConfigError
 from flashckpt.memory import activations as act
 from flashckpt.memory.estimate import EstimateOptions
-from flashckpt.memory.profile import BlockProfile, ModelProfile
+from flashckpt.memory.recompute.profile import BlockProfile, ModelProfile
 from flashckpt.memory.shapes import resolve_shape
 
 log = logging.getLogger(__name__)

@@ -19,12 +19,12 @@ from typing import Any
 from torch import nn
 
 from flashckpt.memory.formula import formula_estimate
-from flashckpt.memory.measure import default_device, trace_model, traced_estimate
 from flashckpt.memory.options import EstimateOptions, MemoryEstimate
-from flashckpt.memory.profile import BlockProfile, ModelProfile, find_blocks
+from flashckpt.memory.recompute.profile import BlockProfile, ModelProfile, find_blocks
 from flashckpt.memory.shape_profile import shape_profile
 from flashckpt.memory.shapes import TransformerShape
-from flashckpt.memory.traced import TracedStep
+from flashckpt.memory.trace.measure import default_device, trace_model, traced_estimate
+from flashckpt.memory.trace.traced import TracedStep
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class TracedSizer:
 
     def _per_block_bytes(self, opts: EstimateOptions) -> list[tuple[int, int]]:
         """(saved bytes, input bytes) per block, from a fake forward with saved-tensor hooks."""
-        from flashckpt.memory.measure import profile_blocks
+        from flashckpt.memory.trace.measure import profile_blocks
 
         start = time.perf_counter()
         out = profile_blocks(self.model, opts, device=self.device, blocks=self.blocks)

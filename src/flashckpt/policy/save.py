@@ -251,7 +251,7 @@ class Auto(_SaveComposable):
     Each step it computes ``τ = optimal_interval_s(C, M)`` (Young 1974 for small ``C/M``) where
 
     - ``C`` is the measured mean cost of a save to the loop (``RunStats.save_cost_s``: blocking
-      plus the slowdown of the steps while it persisted, engine/meter.py);
+      plus the slowdown of the steps while it persisted, engine/runtime/meter.py);
     - ``M`` is :func:`~flashckpt.policy.interval.estimate_mtbf_s` over the journal history given
       to ``observe_history`` (the configured ``mtbf_s`` counts as ``prior_weight`` failure-free
       intervals), plus the failure-free time this process has run so far;

@@ -1,5 +1,5 @@
-"""Restart seconds from the journal's ``restart`` events (engine/restart.py): last, mean, max,
-and the mean and last of each part (down, start, restore, first step)."""
+"""Restart seconds from the journal's ``restart`` events (engine/runtime/restart.py): last, mean,
+max, and the mean and last of each part (down, start, restore, first step)."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ class RunSummary:
     not spent on useful training. Both are ``None`` without a price.
 
     Restart seconds (kill -> first resumed step, from ``restart`` events; see
-    engine/restart.py): ``restarts_timed`` of them, the last, mean and max, and each part's
+    engine/runtime/restart.py): ``restarts_timed`` of them, the last, mean and max, and each part's
     last and mean value (``down``, ``start``, ``restore``, ``first_step``).
     """
 

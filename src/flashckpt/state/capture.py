@@ -21,7 +21,7 @@ from flashckpt.errors import ConfigError, UnsupportedStateError
 from flashckpt.state.compiled import canonical
 from flashckpt.state.dtensor import local_shard
 from flashckpt.state.tree import Leaf, encode_tree
-from flashckpt.store.dtypes import little_endian_array, numpy_dtype_name, torch_dtype_name
+from flashckpt.store.format.dtypes import little_endian_array, numpy_dtype_name, torch_dtype_name
 
 
 @dataclass(kw_only=True)

@@ -28,8 +28,8 @@ from flashckpt.state.compiled import canonical, canonical_key, prefix_hint, reke
 from flashckpt.state.dtensor import is_dtensor, local_shard
 from flashckpt.state.optim_names import by_id
 from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
-from flashckpt.store.dtypes import torch_dtype
-from flashckpt.store.manifest import Manifest, TensorEntry
+from flashckpt.store.format.dtypes import torch_dtype
+from flashckpt.store.format.manifest import Manifest, TensorEntry
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 20

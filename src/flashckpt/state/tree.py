@@ -176,7 +176,7 @@ def _decode_hex(val: str) -> bytes:
 
 
 def _decode_npscalar(node: dict[str, Any], depth: int) -> Any:
-    from flashckpt.store.dtypes import numpy_dtype
+    from flashckpt.store.format.dtypes import numpy_dtype
 
     dtype = numpy_dtype(node["__npscalar__"])
     value = decode_tree(node["v"], _no_tensors, depth + 1)

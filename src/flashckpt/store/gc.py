@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.policy.retention import RetentionPolicy
+from flashckpt.store.format.names import SUFFIX, chunk_path, parse_chunk_name, temp_owner
 from flashckpt.store.liveness import Liveness
-from flashckpt.store.names import SUFFIX, chunk_path, parse_chunk_name, temp_owner
 from flashckpt.store.pins import PinRecord, pid_alive, read_pins
 from flashckpt.store.store import CheckpointStore
 

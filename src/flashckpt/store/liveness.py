@@ -51,12 +51,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
-from flashckpt.store import codec as codecs
-from flashckpt.store import safeopen
-from flashckpt.store.backend import Backend
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.backend import Backend
+from flashckpt.store.format import codec as codecs
+from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.format.names import PART_RE, STEP_RE, chunk_path, parse_chunk_name, step_name
 from flashckpt.store.lock import RootLock
-from flashckpt.store.manifest import ChunkRef, Manifest, parse_manifest
-from flashckpt.store.names import PART_RE, STEP_RE, chunk_path, parse_chunk_name, step_name
 from flashckpt.store.pins import Pin, Window
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flashckpt.errors import FlashCkptError, LockedError, StorageError
-from flashckpt.store import safeopen
+from flashckpt.store.files import safeopen
 
 _held: set[str] = set()
 _held_lock = threading.Lock()

@@ -21,18 +21,37 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flashckpt.errors import FlashCkptError, StorageError
-from flashckpt.store.backend import Backend
-from flashckpt.store.manifest import HASH_RE, ChunkRef
-
-if TYPE_CHECKING:
-    from flashckpt.store.liveness import Liveness
+from flashckpt.store.files.backend import Backend
+from flashckpt.store.format.manifest import HASH_RE, ChunkRef
+from flashckpt.store.lock import RootLock
 
 log = logging.getLogger(__name__)
+
+
+class Liveness(Protocol):
+    """The side of :class:`flashckpt.store.liveness.Liveness` that windows and pins work on
+    (its reference counts, under its mutex). Named here so that liveness, which hands out
+    windows and pins, imports this module and not the other way round."""
+
+    backend: Backend
+    lock: RootLock | None
+    mutex: threading.RLock
+    pins_on_disk: bool
+    candidates: set[str]
+    _writing: Counter[str]
+
+    def find(self, h: str, size: int | None = None) -> ChunkRef | None: ...
+
+    def _pin(self, hashes: Iterable[str], delta: int) -> None: ...
+
 
 PIN_DIR = "pins"
 HOST = socket.gethostname()

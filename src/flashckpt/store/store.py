@@ -17,17 +17,11 @@ import logging
 from collections.abc import Sequence
 
 from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
-from flashckpt.store import codec as codecs
-from flashckpt.store.backend import Backend, Buffer
+from flashckpt.store.files.backend import Backend, Buffer
+from flashckpt.store.format import codec as codecs
+from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.format.names import PART_RE, STEP_RE, chunk_path, part_name, step_name
 from flashckpt.store.liveness import Liveness, liveness_for
-from flashckpt.store.manifest import ChunkRef, Manifest, parse_manifest
-from flashckpt.store.names import (
-    PART_RE,
-    STEP_RE,
-    chunk_path,
-    part_name,
-    step_name,
-)
 
 log = logging.getLogger(__name__)
 

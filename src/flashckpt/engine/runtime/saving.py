@@ -1,0 +1,186 @@
+"""A Checkpointer's save path: from ``save(step, state)`` to the bookkeeping of a durable save.
+
+:class:`SavePath` owns what every save uses and nothing else does: the staging pool (its arena
+a file in the memory tier when that is on tmpfs: engine/tiers/arena.py), the staging thread and the
+persist workers, the device fingerprints of committed saves, the optimizer gate (async saves
+that overlap the next step), the steps a restore found damaged in every tier (which may be
+saved again), and ``last_step``. One save: wait for (or skip past) the one in flight, refuse a
+step already committed, capture the state, pick its tier, build the
+:class:`~flashckpt.engine.save.job.SaveJob` (or, distributed, the commit-protocol job of
+distributed/commit.py) and run it on the staging thread or here; when it is durable, journal it,
+hand it to promotion and retention (engine/tiers/aftersave.py) and charge its cost to the meter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from flashckpt.engine.options import Options
+from flashckpt.engine.runtime.inflight import InFlight
+from flashckpt.engine.runtime.meter import RunMeter
+from flashckpt.engine.save.context import build_context
+from flashckpt.engine.save.fingerprint import Fingerprinter
+from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
+from flashckpt.engine.save.hooks import (
+    MutationGuard,
+    StepGate,
+    copy_unprotected,
+    find_optimizers,
+    protected_pointers,
+)
+from flashckpt.engine.save.job import SaveJob
+from flashckpt.engine.save.staging import StagingPool
+from flashckpt.engine.save.steps import refuse_existing
+from flashckpt.engine.save.warmup import persist_threads
+from flashckpt.engine.tiers.aftersave import AfterSave
+from flashckpt.engine.tiers.arena import ArenaFile
+from flashckpt.engine.tiers.tierset import TierSet
+from flashckpt.journal import Journal
+from flashckpt.state.capture import Captured, capture
+
+if TYPE_CHECKING:
+    from flashckpt.distributed.runtime import DistRuntime
+
+log = logging.getLogger(__name__)
+
+
+class SavePath:
+    def __init__(
+        self,
+        *,
+        options: Options,
+        tiers: TierSet,
+        journal: Journal,
+        inflight: InFlight,
+        meter: RunMeter,
+        dist: DistRuntime | None,
+        rank: int,
+        world_size: int,
+        arena: ArenaFile | None = None,
+    ) -> None:
+        self.options = options
+        self.tiers = tiers
+        self.journal = journal
+        self.inflight = inflight
+        self.meter = meter
+        self.dist = dist
+        self.rank, self.world_size = rank, world_size
+        o = options
+        self.pool = StagingPool(
+            budget_bytes=o.host_memory_budget_bytes, chunk_bytes=o.chunk_bytes, backing=arena
+        )
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
+        self.after = AfterSave(tiers, self.stager)  # promotion + retention
+        self.threads = persist_threads(
+            workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
+        )
+        self.workers = ThreadPoolExecutor(self.threads, thread_name_prefix="flashckpt-persist")
+        # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
+        self.fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
+        self.fingerprinter = Fingerprinter() if o.incremental else None
+        self.gate = StepGate(inflight.wait_staged)
+        self.damaged: set[int] = set()  # steps restore() found damaged in every tier
+        self.last_step: int | None = None  # the newest step durable or restored
+
+    def stop(self) -> None:
+        """Remove the optimizer gate, stop the threads (after their work), free the arena."""
+        self.gate.remove()
+        self.stager.shutdown(wait=True)
+        self.workers.shutdown(wait=True)
+        self.pool.close()
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        t0 = time.perf_counter()
+        self.inflight.raise_pending()
+        if self.inflight.busy():
+            if self.options.on_busy == "skip":
+                self.journal.append(
+                    "save_skipped", step=step, reason="previous save still persisting"
+                )
+                return SaveHandle.done_skipped(step)
+            self.inflight.wait_durable()  # counted in this save's blocking time
+            self.inflight.raise_pending()
+        if not self.options.async_save:
+            self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)
+        refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
+        captured = capture(state)
+        if self.dist is not None:  # keep what this rank writes; per-rank keys renamed
+            self.dist.split(captured, state)
+        optimizers = find_optimizers(state) if self.options.async_save else []
+        overlap = bool(optimizers) and self.options.overlap
+        if overlap:
+            copy_unprotected(captured, protected_pointers(optimizers))
+        handle = SaveHandle(step=step, stats=SaveStats(step=step))
+        self.meter.saved(step, time.time())
+        job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
+        self.journal.append("save_start", step=step)
+        if self.options.async_save:
+            self._run_async(job, handle, wait_staged=not overlap)
+            self.gate.install(optimizers)
+        else:
+            job.run()
+            handle.delivered = True  # a synchronous save raises right here
+            self._finish(handle, job)
+        handle.add_blocking(time.perf_counter() - t0)
+        self.journal.append("staged", step=step, blocking_s=handle.blocking_s)
+        if not self.options.async_save:
+            exc = failure(handle.durable)
+            if exc is not None:
+                raise as_save_error(exc, handle.step)
+        return handle
+
+    def _job(self, handle: SaveHandle, captured: Captured, guard: MutationGuard | None) -> SaveJob:
+        if self.dist is not None:  # rank 0 picks the tier of every rank (distributed/attempt.py)
+            tier = self.dist.tier(self.tiers, captured.nbytes)
+        else:
+            tier = self.tiers.target(step=handle.step, nbytes=captured.nbytes)
+        chunks, ctx = build_context(
+            captured,
+            self.options,
+            store=tier.store,
+            pool=self.pool,
+            workers=self.workers,
+            fingerprinter=self.fingerprinter,
+            fingerprints=self.fingerprints,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        common: dict[str, Any] = dict(
+            ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard
+        )
+        if self.dist is not None:  # commit = parts + store barrier + rank 0 publishes
+            retain = lambda: self.after(handle.step, tier)  # noqa: E731
+            return self.dist.job(retain=retain, **common)
+        return SaveJob(**common)
+
+    def _run_async(self, job: SaveJob, handle: SaveHandle, *, wait_staged: bool) -> None:
+        self.inflight.start(handle, job)
+        handle.durable.add_done_callback(lambda _f: self._finish(handle, job))
+        self.stager.submit(job.run)
+        if wait_staged:  # its error is raised by the next save() or close(), not here
+            settle(handle.staged)
+
+    def _finish(self, handle: SaveHandle, job: SaveJob) -> None:
+        """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping.
+        Everything it needs comes from ``job`` (the next save may already have started)."""
+        exc = failure(handle.durable)
+        if exc is not None:
+            self.inflight.failed(handle, exc)
+            self.journal.append("save_failed", step=handle.step, error=str(exc))
+            log.error("checkpoint step %d failed: %s", handle.step, exc)
+            return
+        s = handle.stats
+        self.last_step = handle.step
+        tier = job.tier if job.tier is not None else self.tiers.fastest
+        self.journal.append("durable", tier=tier.name, **s.durable_fields())
+        promotion = None
+        if self.dist is None:  # distributed: rank 0 retains inside the commit
+            later = not self.options.async_save
+            promotion = self.after(handle.step, tier, job.manifest, later=later)
+        # the save's cost to training runs until its promotion ended too (engine/runtime/meter.py)
+        until = promotion.done if promotion is not None else None
+        self.meter.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)

@@ -1,0 +1,78 @@
+"""What a clean ``close()`` gives back: the RAM of the memory tier.
+
+A memory tier (``/dev/shm``) holds its checkpoints in RAM for as long as they exist, also after
+the process ends. Once a run closes cleanly and every step in the memory tier is also committed
+in a slower tier, those steps are only faster copies: :func:`empty_memory_tier` deletes them
+and collects their chunks (through the store's liveness owner, like any retention). It keeps
+the memory tier as it is, and journals ``memory_kept`` with the reason, when
+
+* promotions to the slower tiers did not finish within the close timeout;
+* any memory-tier step has no committed copy in a slower tier (a promotion that failed or was
+  dropped, or a slower tier whose retention does not keep that step), except the steps that
+  ``Promotion(every=)`` kept in memory on purpose, older than a step a slower tier holds;
+* a slower tier cannot be listed (unreachable remote).
+
+The Checkpointer calls it only for a single process (no torch.distributed: each node's memory
+tier is its own and the ranks would have to agree) and never after SIGTERM (``handle_sigterm``):
+a preempted close keeps everything. ``keep_memory_after_close=True`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from flashckpt.errors import FlashCkptError
+from flashckpt.store.gc import collect_garbage
+
+if TYPE_CHECKING:
+    from flashckpt.engine.tiers.tierset import TierSet
+    from flashckpt.journal import Journal
+
+log = logging.getLogger(__name__)
+
+
+def empty_memory_tier(tiers: TierSet, journal: Journal, timeout_s: float | None) -> float | None:
+    """Wait up to ``timeout_s`` for promotions, then empty the memory tier when every step in
+    it is committed in a slower tier. Returns what is left of ``timeout_s`` for the rest of
+    ``close()`` (None: unbounded)."""
+    mem = tiers.fastest
+    if mem.name != "memory" or len(tiers.tiers) < 2:
+        return timeout_s
+    t0 = time.monotonic()
+    drained = tiers.promoter.drain(timeout_s)
+    left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+    if not drained:
+        _kept(journal, "promotions to the slower tiers did not finish before close", [])
+        return left
+    try:
+        steps = mem.store.steps()
+        slower = [set(t.store.steps()) for t in tiers.tiers[1:]]
+        only_here = [s for s in steps if not any(s in held for held in slower)]
+        if tiers.promote_every > 1:  # older steps the cadence kept out of the slower tiers
+            newest = max((max(held) for held in slower if held), default=None)
+            only_here = [s for s in only_here if newest is None or s > newest]
+        if only_here:
+            _kept(journal, "steps not committed in a slower tier", only_here)
+            return left
+        for s in steps:
+            mem.store.delete_step(s)
+        res = collect_garbage(mem.store, pinned=tiers.pinned())
+    except FlashCkptError as exc:
+        _kept(journal, f"cannot check or empty it: {exc}", [])
+        return left
+    journal.append(
+        "memory_emptied",
+        tier=mem.name,
+        steps_deleted=steps,
+        bytes_deleted=res.bytes_deleted,
+        skipped=res.skipped,
+    )
+    log.info("memory tier %s emptied at close: steps %s are in slower tiers", mem.url, steps)
+    return left
+
+
+def _kept(journal: Journal, reason: str, steps: list[int]) -> None:
+    journal.append("memory_kept", reason=reason, steps=steps)
+    log.info("memory tier kept at close (%s%s)", reason, f": {steps}" if steps else "")

@@ -1,0 +1,358 @@
+"""Backends: where checkpoint bytes rest. Synchronous, no threads.
+
+A backend stores opaque files under relative, ``/``-separated paths that the store builds from
+validated parts only (``steps/<step>.json``, ``chunks/ab/<hash>``); the backend validates them
+again so no path can escape its root.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import itertools
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from flashckpt.errors import ConfigError, StorageError
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.directio import write_parts
+from flashckpt.store.files.safeopen import check_relpath
+
+Buffer = Any  # bytes, bytearray, memoryview, or a C-contiguous numpy array
+
+_tmp_counter = itertools.count()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The storage contract, in the order the store uses it during one save:
+
+    1. ``exists(path)`` / ``list(prefix)``: the store learns which chunks a tier already holds
+       (``list`` once when the store opens, ``exists`` to confirm before reusing a chunk).
+    2. ``put(path, parts)``: write the concatenation of ``parts`` durably. When it returns, the
+       file is complete and its bytes are on stable storage; a crash before that leaves either
+       nothing or a temporary file under a name ``list`` never reports as a chunk or manifest.
+       Writing the same content to the same path twice is harmless (idempotent), which makes
+       concurrent identical writes from several ranks safe.
+    3. ``sync_dirs(dirs)``: make the renames done by ``put`` in those directories durable.
+       Called once per commit, after all chunks and before the manifest.
+    4. ``put`` of the manifest, then ``sync_dirs`` of its directory: the checkpoint now exists.
+
+    Reading: ``read(path)`` returns all bytes, ``read_into(path, out)`` fills ``out`` and returns
+    the byte count. A backend whose files live in memory may also offer ``in_memory = True``
+    and ``map(path)`` (see :meth:`LocalBackend.map`); readers look for them with ``getattr``.
+    ``delete(path)`` removes a file (missing is fine). Errors are raised as
+    :class:`~flashckpt.errors.StorageError` naming the path; a missing file on read raises
+    ``FileNotFoundError`` so the store can tell damage from unavailability.
+    """
+
+    url: str
+    is_local: bool
+
+    def put(self, path: str, parts: Sequence[Buffer]) -> int: ...
+    def read(self, path: str) -> bytes: ...
+    def read_into(self, path: str, out: memoryview) -> int: ...
+    def exists(self, path: str) -> bool: ...
+    def size(self, path: str) -> int: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete(self, path: str) -> None: ...
+    def sync_dirs(self, dirs: Sequence[str]) -> None: ...
+
+
+def is_temp_name(name: str) -> bool:
+    return ".tmp-" in name
+
+
+class LocalBackend:
+    """A directory on a local (or shared POSIX) filesystem; also used for the /dev/shm tier.
+
+    ``direct_io=True`` writes the page-aligned bulk of each file with ``O_DIRECT`` (see
+    :mod:`flashckpt.store.files.directio`); the disk tier uses it, the memory tier does not.
+    """
+
+    is_local = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        fsync: bool = True,
+        direct_io: bool = False,
+    ):
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self.fsync = fsync
+        self.direct_io = direct_io
+        self.direct_bytes = 0  # bytes written past the page cache (read by tests and bench)
+        self._in_memory: bool | None = None  # see in_memory
+        self._stats_lock = threading.Lock()  # put() runs in several persist workers at once
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create checkpoint root {self.root}: {exc}") from exc
+
+    def _abs(self, path: str) -> Path:
+        return self.root / check_relpath(path)
+
+    def put(self, path: str, parts: Sequence[Buffer]) -> int:
+        head, _, name = check_relpath(path).rpartition("/")
+        tmp = f"{name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
+        try:
+            dfd = safeopen.open_dir(self.root, head, create=True)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("write", self._abs(path), exc) from exc
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd
+            )
+            try:
+                res = write_parts(fd, parts, direct=self.direct_io)
+                with self._stats_lock:
+                    if res.direct_refused:
+                        self.direct_io = False  # this filesystem has no O_DIRECT
+                    self.direct_bytes += res.direct_bytes
+                written = res.written
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            safeopen.replace_in(dfd, tmp, name)  # replaces a planted link, never follows it
+        except OSError as exc:
+            _unlink_quiet(dfd, tmp)
+            raise _storage_error("write", self._abs(path), exc) from exc
+        finally:
+            os.close(dfd)
+        return written
+
+    def make_dirs(self, dirs: Sequence[str]) -> None:
+        """Create the directories ``dirs`` (relative; missing parents too) ahead of the writes
+        that will need them, and make their entries durable: the parents and ancestors of new
+        directories are fsynced once each. Existing directories are left alone; a symlink is
+        refused like everywhere (StorageError)."""
+        parents: set[str] = set()
+        for d in dirs:
+            rel = check_relpath(d)
+            try:
+                fd = safeopen.open_dir(self.root, rel)
+            except FileNotFoundError:
+                fd = safeopen.open_dir(self.root, rel, create=True)
+                parts = rel.split("/")  # any ancestor may be new as well
+                parents.update("/".join(parts[:i]) for i in range(len(parts)))
+            except StorageError:
+                raise
+            except OSError as exc:
+                raise _storage_error("create", self._abs(rel), exc) from exc
+            os.close(fd)
+        if self.fsync:
+            for p in sorted(parents):
+                self._sync_dir(p)
+
+    def _open_read(self, path: str) -> int:
+        try:
+            return safeopen.open_nofollow(self.root, path, os.O_RDONLY)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            raise _storage_error("read", self._abs(path), exc) from exc
+
+    def read(self, path: str) -> bytes:
+        fd = self._open_read(path)
+        try:
+            chunks = []
+            while got := os.read(fd, 1 << 24):
+                chunks.append(got)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise _storage_error("read", self._abs(path), exc) from exc
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        """Fill ``out`` from the start of the file with large reads (the kernel is told the
+        file is read sequentially, which widens its readahead); returns the bytes read, fewer
+        than ``len(out)`` when the file is shorter."""
+        fd = self._open_read(path)
+        try:
+            _advise_sequential(fd)
+            n = 0
+            while n < len(out):
+                got = os.readv(fd, [out[n : n + READ_PIECE]])
+                if not got:
+                    break
+                n += got
+            return n
+        except OSError as exc:
+            raise _storage_error("read", self._abs(path), exc) from exc
+        finally:
+            os.close(fd)
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the root is on a memory filesystem (tmpfs, ramfs: the memory tier), where
+        mapping a file reads it at memory speed and a read() would only add a copy."""
+        if self._in_memory is None:
+            self._in_memory = filesystem_type(self.root) in MEMORY_FILESYSTEMS
+        return self._in_memory
+
+    def map(self, path: str) -> mmap.mmap | None:
+        """A private, copy-on-write map of the whole regular file ``path`` (None when it is
+        empty). Opened like every read: no symlink below the root is followed, and a FIFO,
+        socket, device or directory is refused as damage before anything is mapped. Writing
+        to the map never reaches the file. The caller checks the length against what it
+        expects before touching the bytes: a file that another process truncates *while* it is
+        mapped faults (SIGBUS) on access, as with any mapped reader; flashckpt never truncates
+        a chunk (written once under a temporary name, renamed, unlinked)."""
+        fd = self._open_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            err = exc if isinstance(exc, OSError) else OSError(errno.EINVAL, str(exc))
+            raise _storage_error("map", self._abs(path), err) from exc
+        finally:
+            os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        """True for a regular file reached without following a symlink; False when missing or
+        anything else (a reader finds that damage); StorageError when the filesystem fails,
+        like every other method (an I/O error is not "absent")."""
+        try:
+            return stat.S_ISREG(safeopen.lstat_in(self.root, path).st_mode)
+        except (FileNotFoundError, NotADirectoryError, StorageError):
+            return False
+        except OSError as exc:
+            raise _storage_error("stat", self._abs(path), exc) from exc
+
+    def size(self, path: str) -> int:
+        """Size of a regular file; FileNotFoundError when missing, StorageError when it is a
+        symlink, FIFO, directory or device (never followed), or when the filesystem fails."""
+        try:
+            st = safeopen.lstat_in(self.root, path)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            raise _storage_error("stat", self._abs(path), exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(
+                f"{self._abs(path)} is a {safeopen.kind_of(st.st_mode)}, not a regular file"
+            )
+        return st.st_size
+
+    def _names(self, prefix: str) -> builtins.list[str]:
+        """Entries of ``prefix`` that are not symlinks (a listing never follows a link)."""
+        try:
+            dfd = safeopen.open_dir(self.root, prefix)
+        except FileNotFoundError:
+            return []
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("list", self._abs(prefix), exc) from exc
+        try:
+            with os.scandir(dfd) as it:
+                return [e.name for e in it if not e.is_symlink()]
+        except OSError as exc:
+            raise _storage_error("list", self._abs(prefix), exc) from exc
+        finally:
+            os.close(dfd)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        return sorted(n for n in self._names(prefix) if not is_temp_name(n))
+
+    def list_temp(self, prefix: str) -> builtins.list[str]:
+        return sorted(n for n in self._names(prefix) if is_temp_name(n))
+
+    def delete(self, path: str) -> None:
+        """Remove a file (a symlink is removed itself, never its target); missing is fine.
+        A symlinked directory component is refused (StorageError): nothing outside the root
+        is ever deleted."""
+        safeopen.unlink_nofollow(self.root, path)
+
+    def sync_dirs(self, dirs: Sequence[str]) -> None:
+        if not self.fsync:
+            return
+        for d in sorted(set(dirs)):
+            self._sync_dir(d)
+
+    def _sync_dir(self, d: str) -> None:
+        rel = "" if d in ("", ".") else d
+        try:
+            fd = safeopen.open_dir(self.root, rel)
+        except FileNotFoundError:
+            return
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
+                raise _storage_error("sync", self.root / rel, exc) from exc
+        finally:
+            os.close(fd)
+
+
+READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def _advise_sequential(fd: int) -> None:
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass  # advice only
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4", ...; "" when unknown),
+    from the longest mount point above it in /proc/self/mountinfo (Linux)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rest = left.split(), right.split()
+                if len(fields) < 5 or not rest:
+                    continue
+                mount = fields[4].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, rest[0]
+    except OSError:
+        return ""
+    return kind
+
+
+def _unlink_quiet(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def _storage_error(op: str, path: Path, exc: OSError) -> StorageError:
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = "; the device is full: free space or point the checkpoint root elsewhere"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "; check permissions on the checkpoint root"
+    err = StorageError(f"could not {op} {path}: {exc.strerror or exc}{hint}")
+    err.errno = exc.errno
+    return err

@@ -1,0 +1,357 @@
+"""Manifest (format version 1): the JSON document that makes a checkpoint exist.
+
+A manifest lists every tensor with its dtype, global shape and shards (each shard: its offset in
+the global tensor, its shape, and the byte extents that hold it), the chunks those extents point
+into, and the JSON tree of non-tensor state. It is parsed defensively: it may come from a damaged
+disk or a hostile source, so every field is type-checked and bounded before anything is
+allocated, and nothing in it ever becomes a path except a validated chunk hash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashckpt.errors import ManifestError
+from flashckpt.store.files.jsonfile import depth_of, load_json
+from flashckpt.store.format.dtypes import itemsize
+from flashckpt.store.format.tiling import check_tiling
+
+FORMAT = "flashckpt"
+VERSION = 1
+HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+CODECS = ("raw", "zstd", "zstd+shuf2", "zstd+shuf4", "zstd+shuf8")
+MAX_NDIM = 64
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything bigger is a hostile or corrupt manifest
+MAX_CHUNK_BYTES = 1 << 34
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_STEP = 10**15
+MAX_TREE_DEPTH = 200  # the depth state/tree.py encodes and decodes (its _MAX_DEPTH)
+MAX_SHARDS = 1 << 16  # per tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkRef:
+    hash: str
+    size: int  # raw (uncompressed) bytes
+    codec: str = "raw"
+    stored_size: int = 0  # bytes at rest (== size for raw)
+
+    def to_json(self) -> list[Any]:
+        return [self.hash, self.size, self.codec, self.stored_size]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extent:
+    """``length`` bytes at ``offset`` inside chunk number ``chunk`` of the manifest."""
+
+    chunk: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    extents: tuple[Extent, ...]
+    rank: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    key: str
+    kind: str  # "torch" or "numpy"
+    dtype: str
+    global_shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.kind, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.global_shape) * self.itemsize
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    step: int
+    time_s: float
+    world_size: int = 1
+    tree: dict[str, Any] = field(default_factory=dict)
+    rank_trees: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    chunks: list[ChunkRef] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    library: str = ""
+    # the JSON text of ``tensors``, rendered ahead (a save renders it while its chunks are
+    # written); used only while ``tensors`` is that same dict with the same length
+    _tensors_json: tuple[dict[str, TensorEntry], int, str] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def prerender_tensors(self, text: str) -> None:
+        """Adopt ``text``, the JSON of this very ``tensors`` dict rendered ahead (a save renders
+        it while its chunks are written), so that :meth:`to_json` does not render it again."""
+        self._tensors_json = (self.tensors, len(self.tensors), text)
+
+    def to_json(self) -> bytes:
+        pre = self._tensors_json
+        if pre is not None and pre[0] is self.tensors and pre[1] == len(self.tensors):
+            tensors = pre[2]
+        else:
+            tensors = tensors_json(self.tensors)
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "time": self.time_s,
+            "world_size": self.world_size,
+            "library": self.library,
+            "chunks": [c.to_json() for c in self.chunks],
+            "tree": self.tree,
+            "rank_trees": self.rank_trees,
+            "stats": self.stats,
+        }
+        head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        return (head[:-1] + ',"tensors":' + tensors + "}").encode()
+
+    def chunk_hashes(self) -> set[str]:
+        return {c.hash for c in self.chunks}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.length for t in self.tensors.values() for s in t.shards for e in s.extents)
+
+
+def machine_memory_bytes() -> int:
+    """RAM plus swap of this machine: the most one tensor restored on the host can need."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return MAX_TENSOR_BYTES
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
+def check_allocatable(entry: TensorEntry, shape: tuple[int, ...] | None = None) -> None:
+    """Before allocating a host buffer for ``entry`` (restore of a value with no live target,
+    export, diff): refuse, as damage, a size this machine's memory cannot hold, instead of
+    letting the allocator fail with a raw RuntimeError."""
+    nbytes = math.prod(entry.global_shape if shape is None else shape) * entry.itemsize
+    limit = machine_memory_bytes()
+    if nbytes > limit:
+        raise ManifestError(
+            f"tensor {entry.key!r} needs {nbytes} bytes, more than this machine's memory "
+            f"({limit} bytes of RAM and swap); the manifest is damaged, or restore it on a "
+            "larger machine",
+            key=entry.key,
+        )
+
+
+def tensors_json(tensors: dict[str, TensorEntry]) -> str:
+    """The JSON text of a manifest's ``tensors`` (what :meth:`Manifest.to_json` writes)."""
+    doc = {k: _entry_json(e) for k, e in tensors.items()}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+
+def _entry_json(e: TensorEntry) -> dict[str, Any]:
+    return {
+        "kind": e.kind,
+        "dtype": e.dtype,
+        "global_shape": list(e.global_shape),
+        "shards": [
+            {
+                "offset": list(s.offset),
+                "shape": list(s.shape),
+                "rank": s.rank,
+                "extents": [[x.chunk, x.offset, x.length] for x in s.extents],
+            }
+            for s in e.shards
+        ],
+    }
+
+
+def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) -> Manifest:
+    """Parse and validate manifest bytes; raise :class:`ManifestError` on anything suspicious.
+
+    Every check restore relies on happens here, so ``verify``, ``ls``, ``inspect`` and
+    ``restore`` accept exactly the same manifests: the schema, the dtype allow-list, chunk
+    names, sizes (each tensor at most ``MAX_TENSOR_BYTES``, each chunk ``MAX_CHUNK_BYTES``),
+    extents inside their chunks, shards that never overlap and, for a ``whole`` manifest (not a
+    rank's part), tile each tensor exactly, and a state tree no deeper than restore decodes.
+    """
+    # the depth of the free-form parts (tree, rank_trees, stats) is checked below; the rest
+    # has a fixed shape that _parse_doc type-checks, so no generic walk over every extent
+    doc = load_json(
+        data, where=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=None, error=ManifestError
+    )
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError(f"{where}: not a flashckpt manifest")
+    if doc.get("version") != VERSION:
+        raise ManifestError(
+            f"{where}: format version {doc.get('version')!r} is not supported by this flashckpt "
+            f"(supports {VERSION}); upgrade flashckpt"
+        )
+    try:
+        return _parse_doc(doc, where, whole)
+    except ManifestError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
+    step = _int(doc["step"], "step", 0, MAX_STEP, where)
+    chunks = [_parse_chunk(c, where) for c in _list(doc["chunks"], "chunks", where)]
+    tensors_doc = doc["tensors"]
+    if not isinstance(tensors_doc, dict):
+        raise ManifestError(f"{where}: 'tensors' must be an object")
+    tensors = {k: _parse_entry(k, v, chunks, where, whole) for k, v in tensors_doc.items()}
+    tree = doc.get("tree", {})
+    rank_trees = doc.get("rank_trees", {})
+    if not isinstance(tree, dict) or not isinstance(rank_trees, dict):
+        raise ManifestError(f"{where}: 'tree' and 'rank_trees' must be objects")
+    for name, sub in tree.items():
+        _check_tree_depth(sub, f"{where}: state tree {name!r}")
+    for rank, sub in rank_trees.items():
+        _check_tree_depth(sub, f"{where}: rank {rank!r} state tree", start=-1)
+    time_s = doc.get("time", 0.0)
+    if not isinstance(time_s, (int, float)) or not 0 <= time_s < 1e11:
+        raise ManifestError(f"{where}: 'time' {time_s!r} is not a plausible unix time")
+    return Manifest(
+        step=step,
+        time_s=float(time_s),
+        world_size=_int(doc.get("world_size", 1), "world_size", 1, 1 << 24, where),
+        tree=tree,
+        rank_trees=rank_trees,
+        tensors=tensors,
+        chunks=chunks,
+        stats=_stats(doc.get("stats")),
+        library=str(doc.get("library", "")),
+    )
+
+
+def _parse_chunk(c: Any, where: str) -> ChunkRef:
+    if not (isinstance(c, list) and len(c) == 4):
+        raise ManifestError(f"{where}: chunk entry {c!r} is not [hash, size, codec, stored_size]")
+    h, size, codec, stored = c
+    if not isinstance(h, str) or not HASH_RE.match(h):
+        raise ManifestError(f"{where}: chunk name {h!r} is not a 32-hex-digit hash")
+    if codec not in CODECS:
+        raise ManifestError(f"{where}: chunk {h} has unknown codec {codec!r}")
+    return ChunkRef(
+        hash=h,
+        size=_int(size, "chunk size", 0, MAX_CHUNK_BYTES, where),
+        codec=codec,
+        stored_size=_int(stored, "chunk stored size", 0, MAX_CHUNK_BYTES, where),
+    )
+
+
+def _stats(stats: Any) -> dict[str, Any]:
+    """Informational numbers: kept only when they are a shallow object."""
+    return stats if isinstance(stats, dict) and depth_of(stats, limit=8) <= 8 else {}
+
+
+def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
+    """Refuse a tree that restore would refuse, without recursion, so ``verify`` fails exactly
+    where ``restore`` would. Restore walks the tree twice (``state.tree.tensor_refs``, then
+    ``decode_tree``); the first is the stricter count: every list or object is one level, a
+    tensor leaf ``{"__t__": key}`` is not descended into, and no value may sit deeper than
+    ``MAX_TREE_DEPTH``."""
+    stack: list[tuple[Any, int]] = [(node, start)]
+    while stack:
+        n, d = stack.pop()
+        if d > MAX_TREE_DEPTH:
+            raise ManifestError(f"{where} is nested deeper than {MAX_TREE_DEPTH}")
+        if isinstance(n, list):
+            stack.extend((v, d + 1) for v in n)
+        elif isinstance(n, dict) and not (len(n) == 1 and ("__t__" in n or "__np__" in n)):
+            stack.extend((v, d + 1) for v in n.values())
+
+
+def _parse_entry(
+    key: str, v: Any, chunks: list[ChunkRef], where: str, whole: bool = True
+) -> TensorEntry:
+    if not isinstance(v, dict):
+        raise ManifestError(f"{where}: tensor {key!r} entry must be an object")
+    kind = v["kind"]
+    if kind not in ("torch", "numpy"):
+        raise ManifestError(f"{where}: tensor {key!r} has unknown kind {kind!r}")
+    dtype = v["dtype"]
+    isz = itemsize(kind, dtype)  # validates against the allow-list
+    gshape = _shape(v["global_shape"], f"tensor {key!r} global_shape", where)
+    if math.prod(gshape) * isz > MAX_TENSOR_BYTES:
+        raise ManifestError(f"{where}: tensor {key!r} claims an absurd size {gshape}")
+    shards_doc = _list(v["shards"], "shards", where)
+    if len(shards_doc) > MAX_SHARDS:
+        raise ManifestError(f"{where}: tensor {key!r} has {len(shards_doc)} shards")
+    shards = tuple(_parse_shard(key, s, gshape, isz, chunks, where) for s in shards_doc)
+    problem = check_tiling(gshape, [(s.offset, s.shape) for s in shards], whole=whole)
+    if problem:
+        raise ManifestError(f"{where}: tensor {key!r}: {problem}; refusing to load it")
+    return TensorEntry(key=key, kind=kind, dtype=dtype, global_shape=gshape, shards=shards)
+
+
+def _parse_shard(
+    key: str, s: Any, gshape: tuple[int, ...], isz: int, chunks: list[ChunkRef], where: str
+) -> Shard:
+    if not isinstance(s, dict):
+        raise ManifestError(f"{where}: tensor {key!r} has a malformed shard")
+    offset = _shape(s["offset"], f"tensor {key!r} shard offset", where)
+    shape = _shape(s["shape"], f"tensor {key!r} shard shape", where)
+    if len(offset) != len(gshape) or len(shape) != len(gshape):
+        raise ManifestError(f"{where}: tensor {key!r} shard rank differs from its global shape")
+    if any(o + n > g for o, n, g in zip(offset, shape, gshape)):
+        raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
+    extents = []
+    for x in _list(s["extents"], "extents", where):
+        if not (isinstance(x, list) and len(x) == 3):
+            raise ManifestError(f"{where}: tensor {key!r} has a malformed extent {x!r}")
+        ci = _int(x[0], "extent chunk", 0, len(chunks) - 1, where)
+        off = _int(x[1], "extent offset", 0, MAX_CHUNK_BYTES, where)
+        length = _int(x[2], "extent length", 0, MAX_CHUNK_BYTES, where)
+        if off + length > chunks[ci].size:
+            raise ManifestError(
+                f"{where}: tensor {key!r} extent runs past the end of chunk {chunks[ci].hash}"
+            )
+        extents.append(Extent(chunk=ci, offset=off, length=length))
+    if sum(e.length for e in extents) != math.prod(shape) * isz:
+        raise ManifestError(f"{where}: tensor {key!r} extents do not add up to its shard size")
+    rank = _int(s.get("rank", 0), "shard rank", 0, 1 << 24, where)
+    return Shard(offset=offset, shape=shape, extents=tuple(extents), rank=rank)
+
+
+def _int(v: Any, what: str, lo: int, hi: int, where: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ManifestError(f"{where}: {what} {v!r} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _list(v: Any, what: str, where: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise ManifestError(f"{where}: '{what}' must be a list")
+    return v
+
+
+def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
+    dims = _list(v, what, where)
+    if len(dims) > MAX_NDIM:
+        raise ManifestError(f"{where}: {what} has {len(dims)} dimensions")
+    return tuple(_int(d, what, 0, MAX_TENSOR_BYTES, where) for d in dims)

@@ -87,6 +87,14 @@ def instrument(ckpt: Checkpointer, inj: Injector) -> None:
         return int(plain(path, parts))
 
     backend.put = put  # type: ignore[method-assign]
+    open_staged = getattr(backend, "open_staged", None)
+    if open_staged is not None:  # a memory tier: chunks are written as they are staged
+
+        def staged(head: str) -> Any:
+            inj.at("chunks")
+            return open_staged(head)
+
+        backend.open_staged = staged  # type: ignore[method-assign]
     # the first thing a save does: deliver the error a previous save left (engine/runtime/saving.py)
     pending, target = ckpt._inflight.raise_pending, ckpt._tiers.target
 

@@ -7,9 +7,10 @@ same seed injects the same faults whatever order the library's threads make thei
 
 Fault kinds (``FaultPlan.rates`` gives each a per-call probability while the plan is on):
 
-``eio_read``   read / read_into / exists / size raise EIO (transient: the file is intact)
+``eio_read``   read / read_into / map / exists / size raise EIO (transient: the file is intact)
 ``eio_list``   list raises EIO
-``eio_write``  put raises EIO, nothing written
+``eio_write``  put raises EIO, nothing written (``put`` here and below also stands for the
+               publish of a staged chunk, ``open_staged``: a chunk written as it is staged)
 ``enospc``     put raises ENOSPC, nothing written
 ``eio_sync``   sync_dirs raises EIO (only on backends that fsync)
 ``eio_delete`` delete silently does nothing (the real backend swallows unlink errors)
@@ -202,6 +203,68 @@ def _put(self: LocalBackend, path: str, parts: Any) -> int:
     return n
 
 
+class _FaultyStaged:
+    """A staged chunk (``LocalBackend.open_staged``: written as its bytes arrive, named at
+    publish) under the same faults as ``put``, drawn when its final path is known."""
+
+    def __init__(self, backend: LocalBackend, plan: FaultPlan, real: Any) -> None:
+        self._backend, self._plan, self._real = backend, plan, real
+
+    @property
+    def written(self) -> int:
+        return int(self._real.written)
+
+    def write(self, buf: Any) -> None:
+        if _dead(self._plan, self._backend):
+            self._real.abort()
+            raise _err(
+                "write", self._backend, "staging", errno.EIO, "the simulated process is dead"
+            )
+        self._real.write(buf)
+
+    def abort(self) -> None:
+        self._real.abort()
+
+    def publish(self, path: str) -> int:
+        plan, backend = self._plan, self._backend
+        if plan.sabotage is not None:
+            plan.sabotage("put", backend, path)
+        fail = None
+        if _dead(plan, backend):
+            fail = (errno.EIO, "the simulated process is dead")
+        elif plan.draw("enospc", "put", path):
+            fail = (errno.ENOSPC, "injected")
+        elif plan.draw("eio_write", "put", path):
+            fail = (errno.EIO, "injected")
+        if plan.draw("slow", "put", path):
+            time.sleep(plan.rng("slow", path).uniform(0.001, 0.015))
+        if fail is not None:
+            self._real.abort()
+            raise _err("write", backend, path, *fail)
+        if plan.draw("torn", "put", path):
+            n = self._real.publish(path)
+            keep = plan.rng("torn", path).randrange(0, max(n, 1))
+            os.truncate(backend.root / path, keep)
+            plan.taint("torn", backend.root, path)
+            raise _err("write", backend, path, errno.EIO, "injected torn write")
+        n = int(self._real.publish(path))
+        if path.startswith("chunks/") and n > 0 and plan.draw("bitflip", "put", path):
+            flip_bit(backend.root / path, plan.rng("bitflip", path))
+            plan.taint("bitflip", backend.root, path)
+        return n
+
+
+def _open_staged(self: LocalBackend, head: str) -> Any:
+    plan = _plan_for(self)
+    real = _ORIG["open_staged"](self, head)
+    if plan is None:
+        return real
+    if _dead(plan, self):
+        real.abort()
+        raise _err("write", self, head, errno.EIO, "the simulated process is dead")
+    return _FaultyStaged(self, plan, real)
+
+
 def flip_bit(p: Path, rng: random.Random) -> None:
     data = bytearray(p.read_bytes())
     if not data:
@@ -254,10 +317,12 @@ def _sync_dirs(self: LocalBackend, dirs: Any) -> None:
 _WRAPPERS = {
     "__init__": _init,
     "put": _put,
+    "open_staged": _open_staged,
     "read": _reader("read"),
     "read_into": _reader("read_into"),
     "exists": _reader("exists"),
     "size": _reader("size"),
+    "map": _reader("map"),
     "list": _reader("list"),
     "delete": _delete,
     "sync_dirs": _sync_dirs,

@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,8 @@ from flashckpt.cli.bench_impl import SaveBenchConfig, run_save_bench
 from flashckpt.cli.bench_loop import LoopConfig, run_gil_probe, run_loop_bench, run_rss_series
 from flashckpt.errors import ConfigError
 
-PARTS = ("save", "rss", "gil", "loop")
+PARTS = ("save", "rss", "gil", "loop", "loop-cost")
+DEFAULT_PARTS = ("save", "rss", "gil", "loop")  # loop-cost (minutes) only when asked for
 MiB = 1 << 20
 
 
@@ -49,7 +51,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gpu", action="store_true", help="state and model on CUDA")
     p.add_argument("--repeats", type=int, default=3, help="repeats per method (median)")
     p.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+        "--parts",
+        default=",".join(DEFAULT_PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)}; "
+        "loop-cost: what a save costs a training loop in three loop profiles, side by side with "
+        "torch.save, dcp.async_save and a memcpy, also benchmarks/loop_cost.py)",
     )
     p.set_defaults(func=run)
 
@@ -158,6 +164,17 @@ def run_parts(plan: Plan, root: Path, parts: list[str]) -> dict[str, Any]:
         out["loop"] = run_loop_bench(
             LoopConfig(root=root / "loop", device=plan.device, **plan.loop)
         )
+    if "loop-cost" in parts:
+        from flashckpt.cli import bench_cost
+
+        small = plan.size_bytes < 64 * MiB  # --quick
+        out["loop_cost"] = bench_cost.run(
+            state_bytes=min(plan.size_bytes, 256 * MiB),
+            steps=12 if small else 60,
+            every=4 if small else 10,
+            work_dir=str(root),
+            say=lambda m: print(m, file=sys.stderr),
+        )
     return out
 
 
@@ -181,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     result["targets"] = targets(result)
     print(render(result))
+    if "loop_cost" in result:
+        from flashckpt.cli.bench_cost import table
+
+        print("\n### What a save costs the loop (ms per save)\n\n" + table(result["loop_cost"]))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"\nwrote {args.out}")
     return 0

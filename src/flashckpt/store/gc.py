@@ -26,7 +26,7 @@ from flashckpt.policy.retention import RetentionPolicy
 from flashckpt.store.format.names import SUFFIX, chunk_path, parse_chunk_name, temp_owner
 from flashckpt.store.liveness import Liveness
 from flashckpt.store.pins import PinRecord, pid_alive, read_pins
-from flashckpt.store.store import CheckpointStore
+from flashckpt.store.store import STAGING_DIR, CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ def _delete_stale_temps(store: CheckpointStore) -> int:
     list_temp = getattr(store.backend, "list_temp", None)
     if list_temp is None:
         return 0
-    dirs = ["steps", "pins"] + [f"chunks/{sub}" for sub in store.backend.list("chunks")]
+    dirs = ["steps", "pins", STAGING_DIR]
+    dirs += [f"chunks/{sub}" for sub in store.backend.list("chunks")]
     n = 0
     for d in dirs:
         for name in list_temp(d):

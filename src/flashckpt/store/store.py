@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
-from flashckpt.store.files.backend import Backend, Buffer
+from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError, StorageError
+from flashckpt.store.files.backend import Backend, Buffer, StagedFile
 from flashckpt.store.format import codec as codecs
 from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
 from flashckpt.store.format.names import PART_RE, STEP_RE, chunk_path, part_name, step_name
@@ -26,6 +26,17 @@ from flashckpt.store.liveness import Liveness, liveness_for
 log = logging.getLogger(__name__)
 
 __all__ = ["PART_RE", "STEP_RE", "CheckpointStore", "chunk_path", "part_name", "step_name"]
+
+STAGING_DIR = "staging"
+"""Where chunks are written before their name is known (:meth:`CheckpointStore.stage_chunk`);
+the staging arena of a memory tier lives there too (engine/tiers/arena.py)."""
+
+
+def maps_chunks(store: CheckpointStore) -> bool:
+    """Whether ``store``'s chunks are read by mapping them (the memory tier: restore and
+    promotion read its pages where they are)."""
+    backend = store.backend
+    return bool(getattr(backend, "in_memory", False)) and callable(getattr(backend, "map", None))
 
 
 class CheckpointStore:
@@ -61,6 +72,18 @@ class CheckpointStore:
         ref = ChunkRef(hash=h, size=size, codec=stored_codec, stored_size=n)
         self.liveness.added(ref)
         return ref
+
+    @property
+    def stage_chunk_supported(self) -> bool:
+        return hasattr(self.backend, "open_staged")
+
+    def stage_chunk(self) -> StagedChunk | None:
+        """A chunk written as its bytes arrive and named when they are all there (its hash is
+        computed by the writer on the way), or None when the backend cannot (remote)."""
+        open_staged = getattr(self.backend, "open_staged", None)
+        if open_staged is None:
+            return None
+        return StagedChunk(self, open_staged(STAGING_DIR))
 
     def forget_chunk(self, h: str) -> None:
         self.liveness.forget(h)
@@ -201,3 +224,29 @@ def _missing(ref: ChunkRef, step: int | None, key: str | None) -> CorruptCheckpo
     return CorruptCheckpointError(
         f"chunk {ref.hash} is missing{where}", step=step, key=key, chunk=ref.hash
     )
+
+
+class StagedChunk:
+    """A raw chunk being written in one pass (:meth:`CheckpointStore.stage_chunk`): ``write``
+    its bytes, then ``publish(h, size)`` under its hash, or ``abort``. Until published it is a
+    temporary file that no reader or gc takes for a chunk (a dead writer's is swept by gc)."""
+
+    def __init__(self, store: CheckpointStore, f: StagedFile) -> None:
+        self.store, self._f = store, f
+
+    def write(self, buf: Buffer) -> None:
+        self._f.write(buf)
+
+    def publish(self, h: str, size: int) -> ChunkRef:
+        if self._f.written != size:
+            self._f.abort()
+            raise StorageError(
+                f"staged chunk {h}: {self._f.written} bytes written, {size} expected (internal)"
+            )
+        n = self._f.publish(chunk_path(h, "raw"))
+        ref = ChunkRef(hash=h, size=size, codec="raw", stored_size=n)
+        self.store.liveness.added(ref)
+        return ref
+
+    def abort(self) -> None:
+        self._f.abort()

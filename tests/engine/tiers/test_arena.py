@@ -4,6 +4,11 @@ A process killed with SIGKILL leaves the file; the next start maps the same page
 allocated, so its first save stages into resident memory. A clean close removes it. Anything
 but this user's own regular file with one link in its place is left alone, a full tmpfs or a
 tight one falls back to anonymous memory, and stale bytes in the file never reach a checkpoint.
+
+The arena stages into a memory tier only where the bytes still pass through it: with
+compression (the workers compress the staged bytes on their way into the tier), so these tests
+save with ``compression="zstd"``. An uncompressed CPU state is staged straight into the tier's
+chunk files and needs no arena (tests/engine/save/test_direct.py).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ KILLED_RUN = textwrap.dedent(
     import os, signal, sys
     import torch
     import flashckpt
-    ck = flashckpt.Checkpointer(sys.argv[1], memory_tier=sys.argv[2], async_save=True)
+    ck = flashckpt.Checkpointer(sys.argv[1], memory_tier=sys.argv[2], async_save=True,
+                                 compression="zstd")
     state = {"w": torch.arange(2 << 20, dtype=torch.float32) + 1.0}
     ck.save(1, state).durable.result()
     print(int(ck._pool.file_backed), ck._pool.capacity_bytes, flush=True)
@@ -66,7 +72,7 @@ def test_a_restart_after_sigkill_maps_the_arena_the_killed_process_left(
     left = os.stat(shm_dir / ARENA)
     assert left.st_size == capacity and left.st_blocks * 512 >= capacity
 
-    ck = flashckpt.Checkpointer(root, memory_tier=shm_dir, async_save=True)
+    ck = flashckpt.Checkpointer(root, memory_tier=shm_dir, async_save=True, compression="zstd")
     state = _state(-5.0)
     assert ck.restore(state) == 1
     torch.testing.assert_close(state["w"], _state(1.0)["w"])
@@ -92,7 +98,7 @@ def test_stale_bytes_in_the_arena_file_never_reach_a_checkpoint(
     (tier / "staging").mkdir(mode=0o700)
     (tier / ARENA).write_bytes(os.urandom(40 * MiB))  # a killed run's leftovers, or anything
     root = tmp_path / "root"
-    with flashckpt.Checkpointer(root, memory_tier=tier, async_save=True) as ck:
+    with flashckpt.Checkpointer(root, memory_tier=tier, async_save=True, compression="zstd") as ck:
         ck.save(1, _state(3.0)).wait()
         assert ck._pool.file_backed
     got = _state(0.0)
@@ -103,7 +109,9 @@ def test_stale_bytes_in_the_arena_file_never_reach_a_checkpoint(
 
 def test_a_memory_tier_on_a_disk_keeps_the_arena_anonymous(tmp_path: Path) -> None:
     mem = tmp_path / "mem"  # not tmpfs: a file arena would be written back to the disk
-    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem, async_save=True) as ck:
+    with flashckpt.Checkpointer(
+        tmp_path / "root", memory_tier=mem, async_save=True, compression="zstd"
+    ) as ck:
         ck.save(1, _state(1.0)).wait()
         assert ck._pool.capacity_bytes > 0 and not ck._pool.file_backed
     assert not (mem / "staging").exists()
@@ -181,7 +189,9 @@ def test_a_full_tmpfs_falls_back_to_anonymous_memory_and_leaves_nothing_allocate
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=tier, async_save=True) as ck:
+    with flashckpt.Checkpointer(
+        tmp_path / "root", memory_tier=tier, async_save=True, compression="zstd"
+    ) as ck:
         ck.save(1, _state(1.0)).wait()  # still saved, from anonymous staging memory
         assert ck._pool.capacity_bytes > 0 and not ck._pool.file_backed
         assert os.stat(tier / ARENA).st_size == 0  # nothing half-allocated kept in the tier

@@ -39,13 +39,7 @@ from flashckpt.engine import device
 from flashckpt.state.restore import RestorePlan, Target
 from flashckpt.store.format.dtypes import numpy_dtype, torch_dtype
 from flashckpt.store.format.manifest import ChunkRef, Extent, Manifest, Shard, check_allocatable
-from flashckpt.store.store import CheckpointStore
-
-
-def maps_chunks(store: CheckpointStore) -> bool:
-    """Whether ``store``'s chunks are read by mapping them (the memory tier)."""
-    backend = store.backend
-    return bool(getattr(backend, "in_memory", False)) and callable(getattr(backend, "map", None))
+from flashckpt.store.store import CheckpointStore, maps_chunks
 
 
 class _ChunkCache:

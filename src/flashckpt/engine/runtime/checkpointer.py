@@ -213,6 +213,7 @@ class Checkpointer:
             rank=self.rank,
             async_save=self.options.async_save,
             device=devices.current(),
+            direct=self.options.compression is None and self._tiers.fastest.name == "memory",
         )
         self._warmup.start()
 

@@ -82,6 +82,8 @@ class SavePath:
         # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
         self.fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self.fingerprinter = Fingerprinter() if o.incremental else None
+        # which CPU chunks changed at the last direct save (engine/save/job.py _stage_direct)
+        self.hints: dict[tuple[Any, ...], bool] = {}
         self.gate = StepGate(inflight.wait_staged)
         self.damaged: set[int] = set()  # steps restore() found damaged in every tier
         self.last_step: int | None = None  # the newest step durable or restored
@@ -148,6 +150,8 @@ class SavePath:
             fingerprints=self.fingerprints,
             rank=self.rank,
             world_size=self.world_size,
+            direct=tier.name == "memory",  # the staged copy is the memory tier's copy
+            hints=self.hints,
         )
         common: dict[str, Any] = dict(
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard

@@ -34,6 +34,11 @@ class SaveContext:
     world_size: int = 1
     cuda_event: Any = None  # recorded on the training stream at save()
     device: DeviceOps = field(default_factory=devices.current)
+    # CPU chunks are staged straight into the tier's chunk files (a memory tier: the staged
+    # copy is the tier's copy; engine/save/job.py SaveJob._stage_direct)
+    direct: bool = False
+    # region of a chunk -> whether it changed at the last save (hash first when it did not)
+    hints: dict[tuple[Any, ...], bool] = field(default_factory=dict)
 
 
 def build_context(
@@ -47,10 +52,14 @@ def build_context(
     fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]],
     rank: int,
     world_size: int,
+    direct: bool = False,
+    hints: dict[tuple[Any, ...], bool] | None = None,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
-    synchronous CPU save persists straight from the live tensors."""
+    synchronous CPU save persists straight from the live tensors. ``direct`` (an asynchronous
+    save to a memory tier, uncompressed): CPU chunks are staged into the tier's files instead,
+    and the pool is sized for the device chunks only."""
     from flashckpt.version import __version__
 
     ops = devices.current()
@@ -63,9 +72,10 @@ def build_context(
         device_of=ops.device_of,
     )
     on_device = any(c.device != "cpu" for c in chunks)
-    use_pool = o.async_save or on_device
+    direct = direct and o.async_save and o.compression is None and store.stage_chunk_supported
+    use_pool = (o.async_save and not direct) or on_device
     if use_pool:
-        needed = sum(aligned(c.size) for c in chunks)
+        needed = sum(aligned(c.size) for c in chunks if not (direct and c.device == "cpu"))
         pool.reserve(needed_bytes=needed, pin=on_device and ops.available())
     # staging on a side stream must wait for work queued before save()
     event = ops.event() if on_device else None
@@ -82,5 +92,7 @@ def build_context(
         world_size=world_size,
         cuda_event=event,
         device=ops,
+        direct=direct,
+        hints=hints if hints is not None else {},
     )
     return chunks, ctx

@@ -44,6 +44,11 @@ Committer = Callable[[Manifest, list[str]], None]
 distributed: write this rank's part, barrier, rank 0 publishes)."""
 
 
+def _region(captured: Captured, chunk: ChunkPlan) -> tuple[Any, ...]:
+    """What a chunk holds, as a key that is the same at the next save of the same state."""
+    return tuple((captured.items[p.item].key, p.start, p.length) for p in chunk.pieces)
+
+
 class SaveJob:
     """One save on its staging thread: :meth:`run` stages, persists and commits.
 
@@ -140,16 +145,19 @@ class SaveJob:
                 self._stage_device(ci, chunk, parts)
 
     def _stage_cpu(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
-        if self.ctx.pool is None:
+        if self.ctx.pool is None and not self.ctx.direct:
             # a synchronous save: the state cannot change until save() returns, so the workers
             # hash and write straight from the live tensors, in parallel (no staging copy, and
             # no hashing on the caller's thread ahead of the writes)
             self._submit(ci, None, chunk, views, None)
             return
+        if self.ctx.direct:
+            self._stage_direct(ci, chunk, views)
+            return
         h = codecs.hash_parts(views)
         if self._reuse(ci, h, chunk.size):
             return
-        pool = self.ctx.pool
+        pool = self._require_pool()
         slot = self._acquire(chunk.size)
         try:
             buf = pool.view(slot, chunk.size).numpy()
@@ -164,6 +172,41 @@ class SaveJob:
             pool.release(slot)
             raise
         self._submit(ci, h, chunk, [buf], slot)
+
+    def _stage_direct(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
+        """Stage a CPU chunk straight into the tier's chunk file (a memory tier: the file *is*
+        the staged copy, and no worker writes it again). A chunk that was unchanged at the
+        last save is hashed first and copied only if it changed after all; any other is hashed
+        and written in one pass, block by block while each block is in cache."""
+        region = _region(self.captured, chunk)
+        hints = self.ctx.hints
+        h: str | None = None
+        if hints.get(region) is False:  # unchanged last time: most likely unchanged again
+            h = codecs.hash_parts(views)
+            if self._reuse(ci, h, chunk.size):
+                return
+        staged = self.ctx.store.stage_chunk()
+        if staged is None:  # the tier cannot (not local): stage through the pool after all
+            raise SaveError(f"tier {self.ctx.store.url} cannot stage chunks in place (internal)")
+        try:
+            digest = codecs.Hasher()
+            for block in codecs.blocks(views):
+                if h is None:
+                    digest.update(block)
+                staged.write(block)
+            if h is None:
+                h = digest.hexdigest()
+                if self._reuse(ci, h, chunk.size):  # bytes the tier holds already
+                    staged.abort()
+                    hints[region] = False
+                    return
+            ref = staged.publish(h, chunk.size)
+        except BaseException:
+            staged.abort()
+            raise
+        hints[region] = True
+        self.ledger.landed(h, ref)
+        self.ctx.store.backend.sync_dirs(self.ctx.store.chunk_dirs([h]))
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         if self._stream is None:

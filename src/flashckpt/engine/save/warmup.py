@@ -6,10 +6,11 @@ into it again, and a tier's first save listed every chunk directory before its f
 So at construction a daemon thread, never blocking the constructor:
 
 1. starts the stager and every persist worker thread (executors start threads lazily);
-2. when saves stage through the pool (``async_save=True``, or CUDA usable: device tensors
-   always stage), reserves and touches the staging arena (:meth:`StagingPool.warm`), sized
-   like the newest checkpoint this rank finds in its local tiers (a restart saves the same state
-   again) and never beyond ``host_memory_budget``. A fresh root has no size to go by: the
+2. when saves stage through the pool (``async_save=True`` without a memory tier, whose files
+   CPU chunks are staged into directly; or CUDA usable: device tensors always stage), reserves
+   and touches the staging arena (:meth:`StagingPool.warm`), sized like the newest checkpoint
+   this rank finds in its local tiers (a restart saves the same state again) and never beyond
+   ``host_memory_budget``. A fresh root has no size to go by: the
    arena is then sized by the first save, as before;
 3. creates ``chunks/`` and ``steps/`` in each local tier, makes them durable once, and lists
    the chunks the tier holds (the index the first save would otherwise build before its first
@@ -65,8 +66,10 @@ class Warmup:
         rank: int,
         async_save: bool,
         device: DeviceOps,
+        direct: bool = False,
     ) -> None:
         self.pool = pool
+        self.direct = direct  # CPU saves stage into the memory tier's files: no arena for them
         self.executors = executors  # (executor, its thread count)
         self.stores = stores
         self.rank = rank
@@ -93,7 +96,8 @@ class Warmup:
             for ex, n in self.executors:
                 _start_threads(ex, n, self._stop)
             pin = self.device.available()
-            if (self.async_save or pin) and not self._stop.is_set():
+            arena = pin or (self.async_save and not self.direct)
+            if arena and not self._stop.is_set():
                 nbytes = expected_staging_bytes(self.stores, self.rank)
                 if nbytes:
                     self.pool.warm(needed_bytes=nbytes, pin=pin, stop=self._stop)

@@ -9,10 +9,12 @@ before its manifest lands, and a copy that fails (ENOSPC) leaves its chunks as g
 rather than orphans. A damaged source chunk is quarantined by the store's read. Per-chunk
 fsync or request latency, not bandwidth, bounds a sequential copy, so several run at once.
 
-Each worker copies raw chunks through a page-aligned buffer kept from step to step: the
-destination disk tier can then write it with O_DIRECT, and no chunk-sized ``bytes`` is
-allocated (and its pages faulted in) per chunk. The buffers cost ``workers`` x the largest
-chunk of host memory until the Checkpointer closes.
+From a memory tier a chunk is mapped where it rests, verified there, and its pages are handed
+to the destination's write as they are (the disk tier writes them with O_DIRECT): one read to
+verify, no copy. From other tiers each worker copies raw chunks through a page-aligned buffer
+kept from step to step, so the disk tier can still write it with O_DIRECT and no chunk-sized
+``bytes`` is allocated (and its pages faulted in) per chunk; those buffers cost ``workers`` x
+the largest chunk of host memory until the Checkpointer closes.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import dataclasses
 import mmap
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.store.files.directio import aligned
 from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.gc import collect_garbage
+from flashckpt.store.store import maps_chunks
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
@@ -105,7 +108,16 @@ class ChunkCopier:
 
     @staticmethod
     def _copy_one(src: Tier, dst: Tier, ref: ChunkRef, step: int, buf: _Buffer) -> ChunkRef:
-        raw: bytes | memoryview
+        raw: Any
+        if ref.codec == "raw" and maps_chunks(src.store):
+            # a memory tier: write its pages as they are (mapped and verified; the disk tier's
+            # O_DIRECT write takes them without a copy through a buffer)
+            raw = src.store.map_chunk(ref, step=step)
+            try:
+                return dst.store.put_chunk(ref.hash, ref.size, [raw], ref.codec)
+            finally:
+                if isinstance(raw, mmap.mmap):
+                    raw.close()
         if ref.codec == "raw":
             raw = buf.view(ref.size)
             src.store.read_chunk_into(ref, raw, step=step)  # verified against its hash

@@ -135,6 +135,28 @@ class LocalBackend:
             os.close(dfd)
         return written
 
+    def open_staged(self, head: str) -> StagedFile:
+        """A new temporary file in the directory ``head`` (created if missing), to be filled
+        with :meth:`StagedFile.write` and then either published under its final name, which
+        may be in another directory of this backend (:meth:`StagedFile.publish`), or dropped
+        (:meth:`StagedFile.abort`). The save path writes a chunk this way when its name (the
+        hash of its bytes) is known only once its bytes are written: one pass over them."""
+        try:
+            dfd = safeopen.open_dir(self.root, head, create=True)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _storage_error("write", self._abs(head), exc) from exc
+        name = f"staged.tmp-{os.getpid()}-{next(_tmp_counter)}"
+        try:
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd
+            )
+        except OSError as exc:
+            os.close(dfd)
+            raise _storage_error("write", self._abs(f"{head}/{name}"), exc) from exc
+        return StagedFile(self, dfd, fd, head, name)
+
     def make_dirs(self, dirs: Sequence[str]) -> None:
         """Create the directories ``dirs`` (relative; missing parents too) ahead of the writes
         that will need them, and make their entries durable: the parents and ancestors of new
@@ -338,6 +360,65 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
     except OSError:
         return ""
     return kind
+
+
+class StagedFile:
+    """A temporary file of a :class:`LocalBackend` being filled (:meth:`LocalBackend.open_staged`).
+    Not thread-safe: one writer."""
+
+    def __init__(self, backend: LocalBackend, dfd: int, fd: int, head: str, name: str) -> None:
+        self.backend, self._dfd, self._fd, self.head, self.name = backend, dfd, fd, head, name
+        self.written = 0
+
+    def write(self, buf: Buffer) -> None:
+        mv = memoryview(buf).cast("B")
+        try:
+            while len(mv):
+                n = os.write(self._fd, mv)
+                self.written += n
+                mv = mv[n:]
+        except OSError as exc:
+            self.abort()
+            raise _storage_error(
+                "write", self.backend._abs(f"{self.head}/{self.name}"), exc
+            ) from exc
+
+    def publish(self, path: str) -> int:
+        """Make the file ``path`` (fsynced first when the backend fsyncs; its directory is
+        made durable by the caller's ``sync_dirs``); returns its size. A file already at
+        ``path`` is replaced, a link there is replaced and never followed."""
+        head, _, name = check_relpath(path).rpartition("/")
+        try:
+            if self.backend.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            dst = safeopen.open_dir(self.backend.root, head, create=True)
+            try:
+                os.replace(self.name, name, src_dir_fd=self._dfd, dst_dir_fd=dst)
+            finally:
+                os.close(dst)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                raise _storage_error("write", self.backend._abs(path), exc) from exc
+            raise
+        self._close_dir()
+        return self.written
+
+    def abort(self) -> None:
+        """Drop the file (idempotent; also after a failed write or publish)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._dfd >= 0:
+            _unlink_quiet(self._dfd, self.name)
+            self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
 
 
 def _unlink_quiet(dfd: int, name: str) -> None:

@@ -1,0 +1,322 @@
+"""What a save costs a training loop (``flashckpt bench --parts loop-cost``,
+``benchmarks/loop_cost.py``).
+
+A 256 MiB state of 96 tensors (48 parameters and their SGD momentum buffers) is trained and
+saved every ``every`` steps. The cost of a save is the loop's extra wall time per save against
+no-save runs of the same loop measured right before and right after the method (their mean),
+each run a fresh process. Three loop profiles:
+
+* ``dispatch``: many small ops on one thread (what a GPU job's launcher thread does);
+* ``compute``: matmuls on every core;
+* ``contended``: ``compute`` with busy processes beside it (data-loader workers, another job),
+  started before and stopped after each run, baselines included.
+
+Methods: ``torch_save`` (+ fsync), ``dcp_thread`` and ``dcp_process`` (``dcp.async_save`` in its
+two modes), ``flashckpt_disk`` and ``flashckpt_memory`` (async, with a memory tier in
+/dev/shm). The physical floor, a memcpy of the same bytes (and of one save's changed bytes),
+is measured in the same run. The first save of each fresh process is reported apart from the
+warm ones (``first_s``, ``warm_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PROFILES = ("dispatch", "compute", "contended")
+METHODS = ("torch_save", "dcp_thread", "dcp_process", "flashckpt_disk", "flashckpt_memory")
+MiB = 1 << 20
+
+
+def _state(total_bytes: int, tensors: int) -> tuple[Any, Any]:
+    import torch
+
+    n_params = tensors // 2
+    numel = total_bytes // 2 // n_params // 4
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n_params)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-6)
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    opt.step()  # the momentum buffers exist from here on: 96 tensors
+    return torch.nn.ParameterList(params), opt
+
+
+def _work(profile: str) -> Any:
+    import torch
+
+    if profile == "dispatch":
+        x = torch.zeros(8)
+
+        def dispatch() -> None:
+            y = x
+            for _ in range(3000):
+                y = y * 1.0001 + 0.0001
+
+        return dispatch
+    a, b = torch.randn(640, 640), torch.randn(640, 640)
+
+    def compute() -> None:
+        for _ in range(24):
+            a.copy_(torch.tanh(a @ b) * 0.5)
+
+    return compute
+
+
+class _Method:
+    """``save(step)`` for one method; ``finish()`` waits until the last save is durable."""
+
+    def __init__(self, name: str, root: Path, model: Any, opt: Any) -> None:
+        self.name, self.root, self.model, self.opt = name, root, model, opt
+        self.pending: Any = None
+        self.ck: Any = None
+        self.mem: Path | None = None
+        if name.startswith("flashckpt"):
+            from flashckpt import Checkpointer
+
+            if name == "flashckpt_memory":
+                self.mem = Path("/dev/shm") / f"fc-cost-{os.getpid()}"
+            self.ck = Checkpointer(root, async_save=True, keep=2, memory_tier=self.mem)
+        if name == "dcp_process":  # its background process joins a process group of its own
+            _one_rank_group()
+
+    def save(self, step: int) -> None:
+        import torch
+
+        if self.ck is not None:
+            self.ck.save(step, {"model": self.model, "optim": self.opt})
+            return
+        sd = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        if self.name == "torch_save":
+            path = self.root / f"{step}.pt"
+            with open(path, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if self.pending is not None:
+            self.pending.result()
+        process = self.name == "dcp_process"
+        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        writer = dcp.FileSystemWriter(str(self.root / f"dcp{step}"), sync_files=True)
+        self.pending = dcp.async_save(
+            sd, storage_writer=writer, no_dist=not process, async_checkpointer_type=kind
+        )
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        if self.ck is not None:
+            self.ck.close()
+        if self.mem is not None:
+            shutil.rmtree(self.mem, ignore_errors=True)
+
+
+def _one_rank_group() -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One fresh process: ``cfg["method"]`` (or ``none``) in ``cfg["profile"]``'s loop."""
+    import torch
+
+    torch.set_num_threads(1 if cfg["profile"] == "dispatch" else (os.cpu_count() or 1))
+    model, opt = _state(cfg["state_bytes"], cfg["tensors"])
+    work = _work(cfg["profile"])
+    root = Path(cfg["root"])
+    root.mkdir(parents=True, exist_ok=True)
+    method = None if cfg["method"] == "none" else _Method(cfg["method"], root, model, opt)
+    for _ in range(3):  # warm the loop itself
+        work()
+        opt.step()
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for step in range(1, cfg["steps"] + 1):
+        t0 = time.perf_counter()
+        work()
+        opt.step()
+        if method is not None and step % cfg["every"] == 0 and step < cfg["steps"]:
+            method.save(step)
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    if method is not None:
+        method.finish()
+    return {"wall_s": wall, "steps_s": times}
+
+
+def _busy(stop: Any) -> None:  # a busy process: pure Python on one core until told to stop
+    x = 0
+    while not stop.is_set():
+        for _ in range(20000):
+            x += 1
+
+
+@contextlib.contextmanager
+def _load(n: int) -> Iterator[None]:
+    if n <= 0:
+        yield
+        return
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_busy, args=(stop,), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _run_child(cfg: dict[str, Any]) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, "-m", "flashckpt.cli.bench_cost", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if res.returncode != 0:
+        tail = (res.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": tail[0][:300]}
+    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
+def memcpy_s(nbytes: int, repeat: int = 5) -> float:
+    """The best of ``repeat`` copies of ``nbytes`` between two resident buffers (numpy)."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _per_save(run: dict[str, Any], base_wall: float, base_step: float, every: int) -> dict:
+    steps = run["steps_s"]
+    saves = [s for s in range(every, len(steps), every)]
+    windows = [sum(steps[s - 1 : s - 1 + every]) - every * base_step for s in saves]
+    return {
+        "cost_s": (run["wall_s"] - base_wall) / len(saves),
+        "first_s": windows[0],
+        "warm_s": statistics.mean(windows[1:]) if len(windows) > 1 else windows[0],
+        "saves": len(saves),
+    }
+
+
+def run(
+    *,
+    profiles: tuple[str, ...] = PROFILES,
+    methods: tuple[str, ...] = METHODS,
+    state_bytes: int = 256 * MiB,
+    tensors: int = 96,
+    steps: int = 60,
+    every: int = 10,
+    load: int = 2,
+    work_dir: str | None = None,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Every method in every profile, each bracketed by no-save runs; one dict for JSON."""
+    out: dict[str, Any] = {
+        "state_bytes": state_bytes,
+        "tensors": tensors,
+        "steps": steps,
+        "every": every,
+        "cpus": os.cpu_count(),
+        "memcpy_s": memcpy_s(state_bytes),
+        "profiles": {},
+    }
+    base_dir = Path(tempfile.mkdtemp(prefix="fc-cost-", dir=work_dir))
+    try:
+        for profile in profiles:
+            res: dict[str, Any] = {"methods": {}, "baselines": []}
+            with _load(load if profile == "contended" else 0):
+
+                def one(method: str, i: int, profile: str = profile) -> dict[str, Any]:
+                    root = base_dir / f"{profile}-{method}-{i}"
+                    got = _run_child(
+                        {
+                            "profile": profile,
+                            "method": method,
+                            "root": str(root),
+                            "state_bytes": state_bytes,
+                            "tensors": tensors,
+                            "steps": steps,
+                            "every": every,
+                        }
+                    )
+                    shutil.rmtree(root, ignore_errors=True)
+                    return got
+
+                before = one("none", 0)
+                res["baselines"].append(before["wall_s"])
+                for i, method in enumerate(methods, 1):
+                    got = one(method, i)
+                    after = one("none", i)
+                    res["baselines"].append(after["wall_s"])
+                    if "error" in got:
+                        res["methods"][method] = got
+                        say(f"  {profile:9s} {method:17s} failed: {got['error']}")
+                        continue
+                    base_wall = (before["wall_s"] + after["wall_s"]) / 2
+                    base_step = statistics.median(before["steps_s"] + after["steps_s"])
+                    res["methods"][method] = _per_save(got, base_wall, base_step, every)
+                    ms = res["methods"][method]["cost_s"] * 1e3
+                    say(f"  {profile:9s} {method:17s} {ms:7.0f} ms/save")
+                    before = after
+            out["profiles"][profile] = res
+    finally:
+        shutil.rmtree(base_dir, ignore_errors=True)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table: ms per save, each profile a row, and the memcpy floor."""
+    methods = sorted({m for p in result["profiles"].values() for m in p["methods"]},
+                     key=lambda m: METHODS.index(m) if m in METHODS else 99)  # fmt: skip
+    head = "| profile | " + " | ".join(methods) + " | memcpy |"
+    rows = [head, "|---|" + "---:|" * (len(methods) + 1)]
+    floor = result["memcpy_s"] * 1e3
+    for name, prof in result["profiles"].items():
+        cells = []
+        for m in methods:
+            r = prof["methods"].get(m)
+            if r is None or "error" in r:
+                cells.append("failed" if r else "-")
+            else:
+                cells.append(f"{r['cost_s'] * 1e3:.0f} ms (first {r['first_s'] * 1e3:.0f})")
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {floor:.0f} ms |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))

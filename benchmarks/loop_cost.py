@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(bench_cost.METHODS))
     p.add_argument("--state-mib", type=int, default=256)
     p.add_argument("--tensors", type=int, default=96)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=70)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--load", type=int, default=2, help="busy processes in the contended profile")
     p.add_argument("--dir", default=None, help="where the runs write (default: the temp dir)")

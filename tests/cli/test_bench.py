@@ -39,3 +39,31 @@ def test_bench_rejects_unknown_parts(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
 def test_bench_gpu_without_cuda_is_a_usage_error(tmp_path):
     assert main(["bench", "--gpu", "--quick", "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floor(tmp_path):
+    """benchmarks/loop_cost.py (flashckpt bench --parts loop-cost), tiny: every method runs in a
+    fresh process bracketed by no-save runs, and the table shows it beside the memcpy floor."""
+    from flashckpt.cli import bench_cost
+
+    res = bench_cost.run(
+        profiles=("dispatch",),
+        methods=("torch_save", "flashckpt_memory"),
+        state_bytes=4 << 20,
+        tensors=8,
+        steps=14,
+        every=4,
+        work_dir=str(tmp_path),
+        say=lambda _m: None,
+    )
+    prof = res["profiles"]["dispatch"]
+    assert len(prof["baselines"]) == 3  # before the first method and after each
+    for name in ("torch_save", "flashckpt_memory"):
+        r = prof["methods"][name]
+        assert "error" not in r, r
+        assert r["saves"] == 2 and r["own_step_s"] > 0
+        assert {"cost_s", "own_s", "first_s", "warm_s"} <= set(r)
+    assert res["memcpy_s"] > 0
+    table = bench_cost.table(res)
+    assert "| dispatch |" in table and "flashckpt_memory" in table and "memcpy" in table
+    assert list(tmp_path.iterdir()) == []  # the runs' roots are removed

@@ -90,9 +90,9 @@ def instrument(ckpt: Checkpointer, inj: Injector) -> None:
     open_staged = getattr(backend, "open_staged", None)
     if open_staged is not None:  # a memory tier: chunks are written as they are staged
 
-        def staged(head: str) -> Any:
+        def staged(head: str, size: int | None = None) -> Any:
             inj.at("chunks")
-            return open_staged(head)
+            return open_staged(head, size)
 
         backend.open_staged = staged  # type: ignore[method-assign]
     # the first thing a save does: deliver the error a previous save left (engine/runtime/saving.py)

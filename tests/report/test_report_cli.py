@@ -47,7 +47,8 @@ def test_status_text(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "1 crash(es)" in out and "70 steps lost" in out
     assert "goodput   78.0% · cost 0.46" in out
     assert "restart   last 1.79 min (down 400 ms · start 1.58 min · restore 12 s" in out
-    assert len(out.splitlines()) == 8
+    assert "governor  no decision journaled" in out  # these saves were not governed
+    assert len(out.splitlines()) == 9
 
 
 def test_status_json_and_empty_root(

@@ -214,6 +214,13 @@ class _FaultyStaged:
     def written(self) -> int:
         return int(self._real.written)
 
+    @property
+    def recycled(self) -> bool:
+        return bool(self._real.recycled)
+
+    def view(self) -> Any:
+        return self._real.view()
+
     def write(self, buf: Any) -> None:
         if _dead(self._plan, self._backend):
             self._real.abort()
@@ -254,9 +261,9 @@ class _FaultyStaged:
         return n
 
 
-def _open_staged(self: LocalBackend, head: str) -> Any:
+def _open_staged(self: LocalBackend, head: str, size: int | None = None) -> Any:
     plan = _plan_for(self)
-    real = _ORIG["open_staged"](self, head)
+    real = _ORIG["open_staged"](self, head, size)
     if plan is None:
         return real
     if _dead(plan, self):

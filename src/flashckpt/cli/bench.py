@@ -170,7 +170,7 @@ def run_parts(plan: Plan, root: Path, parts: list[str]) -> dict[str, Any]:
         small = plan.size_bytes < 64 * MiB  # --quick
         out["loop_cost"] = bench_cost.run(
             state_bytes=min(plan.size_bytes, 256 * MiB),
-            steps=12 if small else 60,
+            steps=14 if small else 70,
             every=4 if small else 10,
             work_dir=str(root),
             say=lambda m: print(m, file=sys.stderr),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +28,19 @@ class Options:
     overlap: bool = True
     fsync: bool = True
     direct_io: bool = True
+    governor: bool = True  # engine/runtime/governor.py: background or foreground, measured
+    save_budget_s: float | None = None  # what a save may cost the loop (None: a sync save's)
 
     def __post_init__(self) -> None:
-        for name in ("async_save", "incremental", "overlap", "fsync", "direct_io"):
+        b = self.save_budget_s
+        if b is not None and (
+            isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0
+        ):
+            raise ConfigError(
+                f"save_budget_s must be a number of seconds >= 0 or None (None: what a "
+                f"synchronous save of the same state costs, measured), got {b!r}"
+            )
+        for name in ("async_save", "incremental", "overlap", "fsync", "direct_io", "governor"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compression not in (None, "zstd"):

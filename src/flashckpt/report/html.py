@@ -143,6 +143,11 @@ def _cards(s: RunSummary) -> str:
                 _card(
                     "interval", ch.opt(s.interval_s), s.interval_reason or "no decision journaled"
                 ),
+                _card(
+                    "next save",
+                    s.governor_mode or "-",
+                    s.governor_reason or "no governor decision journaled",
+                ),
                 _card("cost", cost, cost_note),
             ]
         )

@@ -85,6 +85,18 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("flashckpt_last_step", "last_step", "gauge", "Newest step in the journal"),
     ("flashckpt_last_durable_step", "last_durable_step", "gauge", "Newest durable checkpoint"),
     ("flashckpt_interval_seconds", "interval_s", "gauge", "Chosen checkpoint interval"),
+    (
+        "flashckpt_governor_background_cost_seconds",
+        "governor_background_cost_s",
+        "gauge",
+        "What a background save cost the loop lately (the governor's measure)",
+    ),
+    (
+        "flashckpt_governor_foreground_cost_seconds",
+        "governor_foreground_cost_s",
+        "gauge",
+        "What a foreground save cost the loop lately (the governor's budget)",
+    ),
     ("flashckpt_wall_seconds", "wall_s", "counter", "Wall seconds covered by the journal"),
     ("flashckpt_goodput_ratio", "goodput", "gauge", "Useful training time / wall time"),
     ("flashckpt_cost_total", "cost", "counter", "Run cost (wall hours x GPUs x price)"),

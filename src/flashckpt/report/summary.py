@@ -239,6 +239,11 @@ class RunSummary:
     observed_mtbf_s: float | None = None
     interval_s: float | None = None
     interval_reason: str | None = None
+    # the governor's latest decision (engine/runtime/governor.py): how the next save runs
+    governor_mode: str | None = None
+    governor_reason: str | None = None
+    governor_background_cost_s: float | None = None
+    governor_foreground_cost_s: float | None = None
     wall_s: float = 0.0
     useful_s: float = 0.0
     goodput: float | None = None
@@ -326,6 +331,7 @@ def summarize(
     durable_steps = [r.step for r in recs if r.durable_s is not None and r.step is not None]
     raw = [num(e.get("raw_Bps")) for e in evs if e.get("event") in ("bench", "device", "durable")]
     interval = kinds["interval"][-1] if kinds["interval"] else {}
+    gov = kinds["governor"][-1] if kinds["governor"] else {}
     done = [r for r in recs if r.failed is None]
     rs = restart_stats(evs)
     return RunSummary(
@@ -362,6 +368,10 @@ def summarize(
         observed_mtbf_s=hist.uptime_s / hist.failures if hist.failures else None,
         interval_s=num(interval.get("interval_s")),
         interval_reason=str(interval["reason"]) if "reason" in interval else None,
+        governor_mode=str(gov["next"])[:20] if "next" in gov else None,
+        governor_reason=str(gov["why"])[:200] if "why" in gov else None,
+        governor_background_cost_s=num(gov.get("background_cost_s")),
+        governor_foreground_cost_s=num(gov.get("foreground_cost_s")),
         wall_s=wall,
         useful_s=useful,
         goodput=goodput,

@@ -49,6 +49,17 @@ def format_status(s: RunSummary, *, root: str = "") -> str:
         f"{fmt_s(s.restart_gap_s)}",
         f"  restart   {_restart(s)}",
         f"  interval  {_opt(s.interval_s)} ({s.interval_reason or 'no decision journaled'}){mtbf}",
+        f"  governor  {_governor(s)}",
         f"  goodput   {goodput}{cost}",
     ]
     return "\n".join(lines)
+
+
+def _governor(s: RunSummary) -> str:
+    """The governor's latest decision: how the next save runs, and the costs it compared."""
+    if s.governor_mode is None:
+        return "no decision journaled (synchronous saves, or none settled yet)"
+    return (
+        f"next save {s.governor_mode} ({s.governor_reason}) · cost per save background "
+        f"{_opt(s.governor_background_cost_s)}, foreground {_opt(s.governor_foreground_cost_s)}"
+    )

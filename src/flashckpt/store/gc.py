@@ -129,7 +129,11 @@ def _paths(h: str) -> list[str]:
 
 
 def _delete(store: CheckpointStore, path: str) -> int:
-    """Delete one chunk file; its size (-1 when it was not there)."""
+    """Delete one chunk file (or hand its pages to the backend's recycling pool: a memory
+    tier, LocalBackend.recycle); its size (-1 when it was not there)."""
+    recycle = getattr(store.backend, "recycle", None)
+    if recycle is not None and (kept := recycle(path)) >= 0:
+        return int(kept)
     try:
         size = store.backend.size(path)
     except OSError:

@@ -77,13 +77,14 @@ class CheckpointStore:
     def stage_chunk_supported(self) -> bool:
         return hasattr(self.backend, "open_staged")
 
-    def stage_chunk(self) -> StagedChunk | None:
+    def stage_chunk(self, size: int | None = None) -> StagedChunk | None:
         """A chunk written as its bytes arrive and named when they are all there (its hash is
-        computed by the writer on the way), or None when the backend cannot (remote)."""
+        computed by the writer on the way), or None when the backend cannot (remote). With its
+        ``size``, into a recycled file of that size when the backend keeps one."""
         open_staged = getattr(self.backend, "open_staged", None)
         if open_staged is None:
             return None
-        return StagedChunk(self, open_staged(STAGING_DIR))
+        return StagedChunk(self, open_staged(STAGING_DIR, size))
 
     def forget_chunk(self, h: str) -> None:
         self.liveness.forget(h)
@@ -233,6 +234,15 @@ class StagedChunk:
 
     def __init__(self, store: CheckpointStore, f: StagedFile) -> None:
         self.store, self._f = store, f
+
+    @property
+    def recycled(self) -> bool:
+        """Written into the resident pages of a recycled file (``view`` can read them back)."""
+        return bool(getattr(self._f, "recycled", False))
+
+    def view(self) -> Buffer:
+        """The bytes written so far, read from the mapped recycled file (no copy)."""
+        return self._f.view()
 
     def write(self, buf: Buffer) -> None:
         self._f.write(buf)

@@ -55,9 +55,9 @@ def _count(monkeypatch, mem: Path) -> dict[str, int]:
             seen["put_chunks"] += 1
         return put(self, path, parts)
 
-    def counting_open(self, head):
+    def counting_open(self, head, size=None):
         seen["staged"] += self.root == mem
-        return open_staged(self, head)
+        return open_staged(self, head, size)
 
     monkeypatch.setattr(LocalBackend, "put", counting_put)
     monkeypatch.setattr(LocalBackend, "open_staged", counting_open)
@@ -162,3 +162,96 @@ def test_a_staging_directory_that_is_a_symlink_is_never_written_through(tmp_path
             h.durable.result()
         assert ck.steps() == [1]
     assert list(outside.iterdir()) == []
+
+
+def test_chunks_freed_by_retention_are_recycled_and_refilled_at_memory_speed(tmp_path, mem):
+    """Retention frees old steps' chunk files; their resident pages take the next saves'
+    chunks of the same size (no page is allocated again), and a clean close deletes the pool."""
+    state = _state(n=4, numel=256 * 1024)  # 1 MiB tensors, one chunk each
+    with flashckpt.Checkpointer(
+        tmp_path / "root", async_save=True, memory_tier=mem, keep_memory=1
+    ) as ck:
+        inodes: dict[int, set[int]] = {}
+        for step in range(1, 6):
+            _bump(state)
+            ck.save(step, state).durable.result()
+            ck._saver.after.wait()  # retention and gc of the memory tier after this save
+            inodes[step] = {p.stat().st_ino for p in (mem / "chunks").rglob("*") if p.is_file()}
+        backend = ck._tiers.fastest.store.backend
+        assert backend.recycle_bytes > 0
+        reused = inodes[5] & set().union(*(inodes[s] for s in range(1, 4)))
+        assert reused, "no recycled file was refilled"
+        assert ck.steps()[-1] == 5
+    assert not (mem / "staging" / "free").exists() or not list((mem / "staging" / "free").iterdir())
+    fresh = _state(n=4, numel=256 * 1024)
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
+        assert ck.restore(fresh) == 5
+    for a, b in zip(state["model"], fresh["model"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_recycled_file_someone_still_has_open_is_never_overwritten(tmp_path, mem):
+    """A reader that opened a chunk before gc moved it into the pool keeps its bytes: the
+    write lease fails while it holds the file, and the writer takes a fresh file instead."""
+    root = mem
+    backend = LocalBackend(root)
+    backend.recycle_bytes = 1 << 30
+    payload = os.urandom(8192)
+    backend.put("chunks/ab/abcd", [payload])
+    reader = open(root / "chunks" / "ab" / "abcd", "rb")  # noqa: SIM115 - held open on purpose
+    try:
+        assert backend.recycle("chunks/ab/abcd") == 8192
+        staged = backend.open_staged(STAGING_DIR, 8192)
+        assert not staged.recycled  # the lease failed: a fresh file
+        staged.write(b"x" * 8192)
+        staged.publish("chunks/cd/cdef")
+        assert reader.read() == payload
+    finally:
+        reader.close()
+    # nobody holds the other pooled file now (the refused one was deleted)
+    assert backend.recycle("chunks/cd/cdef") == 8192
+    staged = backend.open_staged(STAGING_DIR, 8192)
+    assert staged.recycled
+    staged.write(b"y" * 8192)
+    assert staged.publish("chunks/ef/ef01") == 8192
+    assert (root / "chunks" / "ef" / "ef01").read_bytes() == b"y" * 8192
+
+
+def test_a_planted_file_in_the_pool_is_never_filled(tmp_path, mem):
+    """Only this user's regular files with one link are reused: a hard link planted in the
+    pool (a file elsewhere that the writer would overwrite) is deleted, never written."""
+    backend = LocalBackend(mem)
+    backend.recycle_bytes = 1 << 30
+    free = mem / "staging" / "free"
+    free.mkdir(parents=True)
+    victim = mem / "victim"
+    victim.write_bytes(b"v" * 4096)
+    os.link(victim, free / "4096-1-1.free")
+    staged = backend.open_staged(STAGING_DIR, 4096)
+    assert not staged.recycled
+    staged.abort()
+    assert victim.read_bytes() == b"v" * 4096
+
+
+def test_a_chunk_copied_first_that_did_not_change_is_dropped_not_stored_twice(tmp_path, mem):
+    """A chunk that changed last time is copied into a recycled file before it is hashed; when
+    its hash shows the tier holds those bytes already, the copy is dropped (nothing new is
+    stored), the next save hashes it first again, and restore is bitwise."""
+    state = _state(n=4, numel=256 * 1024)
+    with flashckpt.Checkpointer(
+        tmp_path / "root", async_save=True, memory_tier=mem, keep_memory=1
+    ) as ck:
+        for step in range(1, 5):  # changes every time: hints say "changed", the pool fills
+            _bump(state)
+            ck.save(step, state).durable.result()
+            ck._saver.after.wait()
+        assert all(ck._saver.hints.values())
+        stats = ck.save(5, state).durable.result()  # unchanged since step 4
+        assert stats.new_bytes == 0 and stats.chunks_reused == len(state["model"])
+        assert not any(ck._saver.hints.values())  # hashed first next time
+        assert list((mem / STAGING_DIR).glob("*.tmp-*")) == []
+    fresh = _state(n=4, numel=256 * 1024)
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
+        assert ck.restore(fresh) == 5
+    for a, b in zip(state["model"], fresh["model"], strict=True):
+        assert torch.equal(a, b)

@@ -75,6 +75,8 @@ class Checkpointer:
         overlap: bool = True,
         fsync: bool = True,
         direct_io: bool = True,
+        governor: bool = True,
+        save_budget_s: float | None = None,
         save_policy: SavePolicy | int | None = None,
         memory_tier: str | os.PathLike[str] | None = None,
         keep_memory: RetentionPolicy | int | None = None,
@@ -102,6 +104,8 @@ class Checkpointer:
             overlap=overlap,
             fsync=fsync,
             direct_io=direct_io,
+            governor=governor,
+            save_budget_s=save_budget_s,
         )
         self.keep = as_retention(keep)
         self.save_policy = as_save_policy(save_policy)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashckpt.policy.save import RunStats
@@ -41,6 +42,7 @@ class RunMeter:
     _flight: list[float] | None = None  # [excess so far, blocking] of the save in flight
     _durable_seen: bool = False  # the save in flight is durable (set by the durable callback)
     _until: threading.Event | None = None  # ... and its promotion ends when this is set
+    on_cost: Callable[[float], None] | None = None  # told each save's final cost (the governor)
 
     def tick(self, step: int, now_s: float) -> float | None:
         """Record that ``step`` completed at ``now_s``; returns the mean step time."""
@@ -82,7 +84,7 @@ class RunMeter:
         """The save in flight is durable; ``until``: the event its promotion sets at its end."""
         self._persist.append(background_s)
         if self._flight is None:
-            self._costs.append(blocking_s)
+            self._cost(blocking_s)
             return
         self._flight[1] = blocking_s
         self._until = until
@@ -93,8 +95,13 @@ class RunMeter:
         may still run: a next save overtook it), and end it."""
         flight = self._flight
         if flight is not None and self._durable_seen:
-            self._costs.append(max(flight[0], flight[1]) if self._clean else flight[1])
+            self._cost(max(flight[0], flight[1]) if self._clean else flight[1])
         self._flight, self._durable_seen, self._until = None, False, None
+
+    def _cost(self, seconds: float) -> None:
+        self._costs.append(seconds)
+        if self.on_cost is not None:
+            self.on_cost(seconds)
 
     def stats(self, step: int, now_s: float) -> RunStats:
         return RunStats(

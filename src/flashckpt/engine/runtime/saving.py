@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from flashckpt.engine.options import Options
+from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.engine.save.context import build_context
@@ -84,9 +85,19 @@ class SavePath:
         self.fingerprinter = Fingerprinter() if o.incremental else None
         # which CPU chunks changed at the last direct save (engine/save/job.py _stage_direct)
         self.hints: dict[tuple[Any, ...], bool] = {}
-        self.gate = StepGate(inflight.wait_staged)
+        # what each async save costs the loop, and whether the next runs in the background
+        self.governor = Governor(
+            journal=journal, budget_s=o.save_budget_s, enabled=o.governor and o.async_save
+        )
+        self.gate = StepGate(self._pre_step)
         self.damaged: set[int] = set()  # steps restore() found damaged in every tier
         self.last_step: int | None = None  # the newest step durable or restored
+
+    def _pre_step(self) -> None:
+        """The async saves' optimizer pre-step hook: a step begins (the governor's clock),
+        and it waits for staging of the save in flight."""
+        self.governor.tick()
+        self.inflight.wait_staged()
 
     def stop(self) -> None:
         """Remove the optimizer gate, stop the threads (after their work), free the arena."""
@@ -118,11 +129,14 @@ class SavePath:
             copy_unprotected(captured, protected_pointers(optimizers))
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
         self.meter.saved(step, time.time())
+        mode = self.governor.started(step) if self.options.async_save else None
         job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
         self.journal.append("save_start", step=step)
         if self.options.async_save:
             self._run_async(job, handle, wait_staged=not overlap)
             self.gate.install(optimizers)
+            if mode == FOREGROUND:  # the governor measured this cheaper: the loop waits
+                settle(handle.durable)
         else:
             job.run()
             handle.delivered = True  # a synchronous save raises right here
@@ -180,6 +194,10 @@ class SavePath:
         s = handle.stats
         self.last_step = handle.step
         tier = job.tier if job.tier is not None else self.tiers.fastest
+        if job.ctx.direct:  # the chunks gc frees in this tier may be reused by the next save
+            backend = tier.store.backend
+            if hasattr(backend, "recycle_bytes"):
+                backend.recycle_bytes = max(backend.recycle_bytes, s.total_bytes)
         self.journal.append("durable", tier=tier.name, **s.durable_fields())
         promotion = None
         if self.dist is None:  # distributed: rank 0 retains inside the commit
@@ -188,3 +206,5 @@ class SavePath:
         # the save's cost to training runs until its promotion ended too (engine/runtime/meter.py)
         until = promotion.done if promotion is not None else None
         self.meter.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)
+        if self.options.async_save:
+            self.governor.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)

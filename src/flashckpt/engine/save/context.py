@@ -37,7 +37,7 @@ class SaveContext:
     # CPU chunks are staged straight into the tier's chunk files (a memory tier: the staged
     # copy is the tier's copy; engine/save/job.py SaveJob._stage_direct)
     direct: bool = False
-    # region of a chunk -> whether it changed at the last save (hash first when it did not)
+    # region of a chunk -> whether it changed at the last save (copy first when it did)
     hints: dict[tuple[Any, ...], bool] = field(default_factory=dict)
 
 

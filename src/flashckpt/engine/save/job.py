@@ -93,6 +93,8 @@ class SaveJob:
         self._error_lock = threading.Lock()
         self._stream: Any = None
         self._deferred: list[tuple[Any, ...]] = []
+        # chunks copied into recycled tier files, to be hashed and named once staging ended
+        self._deferred_staged: list[tuple[int, ChunkPlan, Any, Any]] = []
         self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
         self._draft: Draft | None = None  # made while the chunks are written (manifests.py)
         self.t0 = time.perf_counter()
@@ -175,38 +177,64 @@ class SaveJob:
 
     def _stage_direct(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
         """Stage a CPU chunk straight into the tier's chunk file (a memory tier: the file *is*
-        the staged copy, and no worker writes it again). A chunk that was unchanged at the
-        last save is hashed first and copied only if it changed after all; any other is hashed
-        and written in one pass, block by block while each block is in cache."""
+        the staged copy, and no worker writes it again).
+
+        A chunk that changed at the last save is most likely changed again: when retention
+        freed a file of its size (store/files/backend.py ``recycle``), the live bytes are
+        copied into that file's resident pages at once, and a persist worker hashes the copy
+        and names it after staging ended (the copy is all the optimizer step waits for).
+        Any other chunk is hashed first: unchanged, it is not copied at all; changed, it is
+        copied once, into a new file. (Hashing and copying each block while it is in cache
+        was measured slower here: 256 MiB on the 2-core VM, 53 ms against 17 + 25 ms apart.)"""
         region = _region(self.captured, chunk)
-        hints = self.ctx.hints
-        h: str | None = None
-        if hints.get(region) is False:  # unchanged last time: most likely unchanged again
+        staged = self.ctx.store.stage_chunk(chunk.size) if self.ctx.hints.get(region) else None
+        try:
+            if staged is not None and staged.recycled:
+                for v in views:
+                    staged.write(v)
+                self._deferred_staged.append((ci, chunk, staged, region))
+                return
             h = codecs.hash_parts(views)
             if self._reuse(ci, h, chunk.size):
-                return
-        staged = self.ctx.store.stage_chunk()
-        if staged is None:  # the tier cannot (not local): stage through the pool after all
-            raise SaveError(f"tier {self.ctx.store.url} cannot stage chunks in place (internal)")
-        try:
-            digest = codecs.Hasher()
-            for block in codecs.blocks(views):
-                if h is None:
-                    digest.update(block)
-                staged.write(block)
-            if h is None:
-                h = digest.hexdigest()
-                if self._reuse(ci, h, chunk.size):  # bytes the tier holds already
+                if staged is not None:
                     staged.abort()
-                    hints[region] = False
-                    return
-            ref = staged.publish(h, chunk.size)
+                self.ctx.hints[region] = False
+                return
+            if staged is None:
+                staged = self.ctx.store.stage_chunk(chunk.size)
+            if staged is None:  # the tier cannot (not local)
+                raise SaveError(f"tier {self.ctx.store.url} cannot stage chunks in place")
+            for v in views:
+                staged.write(v)
+            self._publish(ci, h, chunk, staged)
         except BaseException:
-            staged.abort()
+            if staged is not None:
+                staged.abort()
             raise
-        hints[region] = True
+        self.ctx.hints[region] = True
+
+    def _publish(self, ci: int, h: str, chunk: ChunkPlan, staged: Any) -> None:
+        ref = staged.publish(h, chunk.size)
         self.ledger.landed(h, ref)
         self.ctx.store.backend.sync_dirs(self.ctx.store.chunk_dirs([h]))
+
+    def _name_staged(self, ci: int, chunk: ChunkPlan, staged: Any, region: Any) -> None:
+        """A persist worker: hash a chunk copied into a recycled file, then publish it (or drop
+        it when the tier holds those bytes already)."""
+        try:
+            if self._error is not None:
+                staged.abort()
+                return
+            h = codecs.hash_parts([staged.view()])
+            if self._reuse(ci, h, chunk.size):
+                staged.abort()
+                self.ctx.hints[region] = False
+                return
+            self._publish(ci, h, chunk, staged)
+        except BaseException as exc:
+            staged.abort()
+            self._record_error(exc)
+            raise
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
         if self._stream is None:
@@ -255,6 +283,9 @@ class SaveJob:
         return slot
 
     def _flush(self) -> None:
+        staged, self._deferred_staged = self._deferred_staged, []
+        for ci, chunk, f, region in staged:
+            self._pending.append(self.ctx.workers.submit(self._name_staged, ci, chunk, f, region))
         deferred, self._deferred = self._deferred, []
         for args in deferred:
             self._submit_now(*args)
@@ -394,6 +425,9 @@ class SaveJob:
         for args in deferred:
             if self.ctx.pool is not None:
                 self.ctx.pool.release(args[4])
+        staged, self._deferred_staged = self._deferred_staged, []
+        for _ci, _chunk, f, _region in staged:
+            f.abort()
         for f in self._pending:
             try:
                 f.result()

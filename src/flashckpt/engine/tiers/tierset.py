@@ -267,6 +267,7 @@ class TierSet:
             stopped = self.promoter.stop()
             if stopped:
                 self._trim(self.fastest)
+                _drain_recycled(self.fastest)
                 release_locks(self.tiers)
             else:
                 self.journal.append("promote_stuck", reason="promoter did not stop at close")
@@ -318,3 +319,15 @@ class TierSet:
                 log.warning("cannot queue promotion of restored step %d: %s", step, exc)
             return tier
         raise NoCheckpointError(f"no checkpoint for step {step} in any tier")  # pragma: no cover
+
+
+def _drain_recycled(tier: Tier) -> None:
+    """The memory tier's recycled chunk files (store/files/backend.py LocalBackend.recycle) are
+    no checkpoint: a clean close deletes them."""
+    drain = getattr(tier.store.backend, "drain_free", None)
+    if drain is None:
+        return
+    try:
+        drain()
+    except (OSError, FlashCkptError) as exc:
+        log.warning("could not delete the recycled files of %s: %s", tier.url, exc)

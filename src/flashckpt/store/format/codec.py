@@ -7,7 +7,7 @@ before zstd (the exponent bytes of floats then compress together).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -25,21 +25,6 @@ def hash_parts(parts: Sequence[Buffer]) -> str:
     for p in parts:
         h.update(p)
     return h.hexdigest()
-
-
-BLOCK_BYTES = 1 << 20
-"""Hash-and-copy passes work in blocks of this size, so the bytes one step reads are still in
-the CPU's cache when the next reads them (a 32 MiB chunk read twice comes from RAM twice)."""
-
-Hasher = xxhash.xxh3_128  # the incremental form of hash_parts: update(block), hexdigest()
-
-
-def blocks(parts: Sequence[Buffer], size: int = BLOCK_BYTES) -> Iterator[memoryview]:
-    """The bytes of ``parts`` in order, as views of at most ``size`` bytes (no copies)."""
-    for part in parts:
-        mv = memoryview(part).cast("B")
-        for i in range(0, len(mv), size):
-            yield mv[i : i + size]
 
 
 def choose_codec(compression: str | None, itemsize: int) -> str:

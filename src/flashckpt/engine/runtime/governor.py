@@ -1,0 +1,131 @@
+"""The governor: a save's background work never costs the loop more than doing it in the
+foreground.
+
+An asynchronous save overlaps training, but its copies, hashing and writes take cores, cache
+and memory bandwidth from the steps, and on a host that other work already saturates (data
+loader workers, another job, torch's thread team on every core) that can cost the loop more
+than stopping it for a synchronous save would. So the governor measures what each save really
+cost the loop and runs the next one the cheaper way:
+
+* **Measured, not assumed.** The optimizer pre-step hook that async saves already install ticks
+  a step clock (:class:`~flashckpt.engine.runtime.meter.RunMeter`): a save's cost is the excess of
+  every step interval it was in flight over the median clean interval, its blocking included,
+  final once it is durable and its promotion ended. Loops that call ``should_save`` or
+  ``step`` every step are measured by that meter too; this one needs nothing from the loop.
+* **Two ways to run a save.** ``background``: ``save()`` returns once the state is staged (with
+  ``overlap=True``, at once) and the rest overlaps training. ``foreground``: ``save()`` returns
+  once the save is durable, the loop stopped meanwhile: the cost of a synchronous save, through
+  the same single-pass path.
+* **The cheaper one wins.** The budget of a save is ``budget_s`` when given, else the measured
+  cost of a foreground save of the same state (what a synchronous save costs here and now).
+  The second save of a run is a foreground probe; from then on each save runs in the mode whose
+  recent saves cost less, background while it stays within the budget, and every
+  ``probe_every`` saves the other mode is measured again, because what the background costs
+  changes with what else runs on the host.
+
+Every decision is journaled (``governor``: the mode chosen, why, the costs of both modes and
+the budget); ``flashckpt status`` and the report show the latest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from flashckpt.engine.runtime.meter import RunMeter
+from flashckpt.journal import Journal
+
+BACKGROUND, FOREGROUND = "background", "foreground"
+_KEEP = 4  # costs remembered per mode
+
+
+def _mean(values: deque[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@dataclass(kw_only=True)
+class Governor:
+    journal: Journal | None = None
+    budget_s: float | None = None  # a save may cost the loop at most this (None: foreground's)
+    probe_every: int = 8
+    enabled: bool = True
+    mode: str = BACKGROUND  # how the next save runs
+    meter: RunMeter = field(default_factory=RunMeter)
+    costs: dict[str, deque[float]] = field(
+        default_factory=lambda: {BACKGROUND: deque(maxlen=_KEEP), FOREGROUND: deque(maxlen=_KEEP)}
+    )
+    saves: int = 0
+    _ticks: int = 0
+    _since_probe: int = 0
+    _flight: tuple[int, str] | None = None  # (step, mode) of the save being measured
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    last: dict[str, object] = field(default_factory=dict)  # the latest decision (status)
+
+    def __post_init__(self) -> None:
+        self.meter.on_cost = self._settled
+
+    # -- what the save path calls -----------------------------------------------------------
+    def tick(self) -> None:
+        """One optimizer step began (the async saves' pre-step hook)."""
+        with self._lock:
+            self._ticks += 1
+            self.meter.tick(self._ticks, time.perf_counter())
+
+    def started(self, step: int) -> str:
+        """A save of ``step`` starts; returns how it runs (``background`` or ``foreground``)."""
+        with self._lock:
+            mode = self.mode if self.enabled else BACKGROUND
+            self.meter.saved(self._ticks, time.perf_counter())
+            self._flight = (step, mode)
+            self.saves += 1
+            return mode
+
+    def durable(self, *, blocking_s: float, background_s: float, until: threading.Event | None):
+        """The save being measured is durable (``until``: set when its promotion ended)."""
+        with self._lock:
+            self.meter.durable(blocking_s=blocking_s, background_s=background_s, until=until)
+
+    # -- deciding ---------------------------------------------------------------------------
+    def _settled(self, cost_s: float) -> None:
+        """The meter's final cost of the save in flight (called under ``_lock``)."""
+        if self._flight is None:
+            return
+        step, mode = self._flight
+        self._flight = None
+        self.costs[mode].append(cost_s)
+        self.mode, why = self._next(mode)
+        bg, fg = _mean(self.costs[BACKGROUND]), _mean(self.costs[FOREGROUND])
+        budget = self.budget_s if self.budget_s is not None else fg
+        self.last = {
+            "step": step,
+            "ran": mode,
+            "cost_s": round(cost_s, 6),
+            "next": self.mode,
+            "why": why,
+            "background_cost_s": None if bg is None else round(bg, 6),
+            "foreground_cost_s": None if fg is None else round(fg, 6),
+            "budget_s": None if budget is None else round(budget, 6),
+        }
+        if self.journal is not None and self.enabled:
+            self.journal.append("governor", **self.last)
+
+    def _next(self, ran: str) -> tuple[str, str]:
+        bg, fg = _mean(self.costs[BACKGROUND]), _mean(self.costs[FOREGROUND])
+        budget = self.budget_s if self.budget_s is not None else fg
+        self._since_probe += 1
+        if fg is None and self.budget_s is None:
+            return FOREGROUND, "measure what a foreground save costs (the budget)"
+        if bg is None:
+            return BACKGROUND, "measure what a background save costs"
+        if self._since_probe >= self.probe_every:  # the host changes: measure the other again
+            self._since_probe = 0
+            other = FOREGROUND if ran == BACKGROUND else BACKGROUND
+            if other == BACKGROUND or self.budget_s is None:
+                return other, f"probe: {other} measured again every {self.probe_every} saves"
+        if budget is not None and bg > budget:
+            return FOREGROUND, f"background cost {bg:.3f}s > budget {budget:.3f}s"
+        return BACKGROUND, f"background cost {bg:.3f}s <= budget " + (
+            "(none measured yet)" if budget is None else f"{budget:.3f}s"
+        )

@@ -1,0 +1,118 @@
+"""The governor (engine/runtime/governor.py): each async save runs the way its recent saves
+cost the loop less, background within the budget, the other way measured again now and then."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import flashckpt
+from flashckpt.engine.runtime.governor import BACKGROUND, FOREGROUND, Governor
+from flashckpt.errors import ConfigError
+from flashckpt.journal import Journal
+
+
+def _run(gov: Governor, costs: list[float]) -> list[str]:
+    """Feed one measured cost per save; the mode each save ran in."""
+    ran = []
+    for step, cost in enumerate(costs, 1):
+        ran.append(gov.started(step))
+        with gov._lock:  # what the meter does when the save's cost is final
+            gov._settled(cost)
+    return ran
+
+
+def test_the_second_save_measures_the_foreground_and_the_cheaper_mode_wins() -> None:
+    gov = Governor(probe_every=100)
+    # background costs 0.5 s a save, a foreground save 0.2 s: the loop is better off waiting
+    ran = _run(gov, [0.5, 0.2, 0.2, 0.2])
+    assert ran == [BACKGROUND, FOREGROUND, FOREGROUND, FOREGROUND]
+    assert gov.last["why"].startswith("background cost 0.500s > budget 0.200s")
+
+
+def test_a_cheap_background_stays_background() -> None:
+    gov = Governor(probe_every=100)
+    ran = _run(gov, [0.05, 0.4, 0.05, 0.06, 0.05])
+    assert ran == [BACKGROUND, FOREGROUND, BACKGROUND, BACKGROUND, BACKGROUND]
+
+
+def test_the_other_mode_is_measured_again_every_probe_every_saves() -> None:
+    gov = Governor(probe_every=3)
+    # the host quiets down: background got cheap, but only a probe can see it
+    ran = _run(gov, [0.9, 0.2, 0.2, 0.2, 0.01, 0.01, 0.01])
+    assert ran[:2] == [BACKGROUND, FOREGROUND]
+    assert BACKGROUND in ran[2:5], ran  # probed within probe_every saves
+    assert ran[-1] == BACKGROUND
+
+
+def test_a_given_budget_replaces_the_foreground_probe() -> None:
+    gov = Governor(budget_s=0.1, probe_every=100)
+    ran = _run(gov, [0.05, 0.3, 0.3])
+    assert ran == [BACKGROUND, BACKGROUND, FOREGROUND]
+    assert gov.last["budget_s"] == 0.1
+
+
+def test_decisions_are_journaled_and_a_disabled_governor_is_silent(tmp_path) -> None:
+    journal = Journal(tmp_path / "journal.jsonl")
+    gov = Governor(journal=journal, probe_every=100)
+    _run(gov, [0.5, 0.2])
+    events = [json.loads(x) for x in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    gov_events = [e for e in events if e["event"] == "governor"]
+    assert [e["ran"] for e in gov_events] == [BACKGROUND, FOREGROUND]
+    assert gov_events[-1]["next"] == FOREGROUND and gov_events[-1]["foreground_cost_s"] == 0.2
+    off = Governor(journal=Journal(tmp_path / "off.jsonl"), enabled=False)
+    assert _run(off, [0.5, 0.2, 0.2]) == [BACKGROUND] * 3
+    assert (
+        not (tmp_path / "off.jsonl").exists()
+        or "governor" not in (tmp_path / "off.jsonl").read_text()
+    )
+
+
+def _loop(ck: flashckpt.Checkpointer, steps: int, every: int) -> None:
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt}
+    for step in range(1, steps + 1):
+        model(torch.randn(8, 256)).sum().backward()
+        opt.step()  # the pre-step hook ticks the governor's clock
+        opt.zero_grad()
+        time.sleep(0.002)
+        if step % every == 0:
+            ck.save(step, state)
+
+
+def test_a_checkpointer_journals_governor_decisions_and_status_shows_them(tmp_path) -> None:
+    from flashckpt.report.summary import summarize
+    from flashckpt.report.terminal import format_status
+
+    with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
+        _loop(ck, steps=40, every=5)
+    events = [json.loads(x) for x in (tmp_path / "root" / "journal.jsonl").read_text().splitlines()]
+    decisions = [e for e in events if e["event"] == "governor"]
+    assert decisions, "no governor decision journaled"
+    assert {e["ran"] for e in decisions} == {BACKGROUND, FOREGROUND}  # the probe ran
+    s = summarize(events)
+    assert s.governor_mode in (BACKGROUND, FOREGROUND)
+    assert "next save" in format_status(s)
+
+
+def test_a_foreground_save_returns_durable_and_governor_false_never_waits(tmp_path) -> None:
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt}
+    with flashckpt.Checkpointer(tmp_path / "a", async_save=True) as ck:
+        ck._saver.governor.mode = FOREGROUND
+        h = ck.save(1, state)
+        assert h.durable.done() and h.durable.exception() is None
+    with flashckpt.Checkpointer(tmp_path / "b", async_save=True, governor=False) as ck:
+        ck._saver.governor.mode = FOREGROUND  # ignored: the governor is off
+        assert ck._saver.governor.started(2) == BACKGROUND
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "1s", True])
+def test_a_bad_save_budget_is_refused_with_what_to_do(tmp_path, bad) -> None:
+    with pytest.raises(ConfigError, match="save_budget_s must be a number of seconds"):
+        flashckpt.Checkpointer(tmp_path / "root", async_save=True, save_budget_s=bad)

@@ -14,7 +14,8 @@ Fault kinds (``FaultPlan.rates`` gives each a per-call probability while the pla
 ``enospc``     put raises ENOSPC, nothing written
 ``eio_sync``   sync_dirs raises EIO (only on backends that fsync)
 ``eio_delete`` delete silently does nothing (the real backend swallows unlink errors)
-``torn``       put leaves a truncated file at the final name, then raises EIO
+``torn``       put leaves a truncated file at the final name, then raises EIO (only where no
+               file is yet: put replaces an existing one by a rename, which cannot tear it)
 ``bitflip``    put succeeds, then one bit of the stored chunk flips (silent rot)
 ``slow``       put / read sleep a few milliseconds first
 
@@ -188,7 +189,7 @@ def _put(self: LocalBackend, path: str, parts: Any) -> int:
         raise _err("write", self, path, errno.ENOSPC, "injected")
     if plan.draw("eio_write", "put", path):
         raise _err("write", self, path, errno.EIO, "injected")
-    if plan.draw("torn", "put", path):
+    if plan.draw("torn", "put", path) and not (self.root / path).exists():
         data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         keep = plan.rng("torn", path).randrange(0, max(len(data), 1))
         dst = self.root / path
@@ -248,10 +249,16 @@ class _FaultyStaged:
         if fail is not None:
             self._real.abort()
             raise _err("write", backend, path, *fail)
-        if plan.draw("torn", "put", path):
-            n = self._real.publish(path)
-            keep = plan.rng("torn", path).randrange(0, max(n, 1))
-            os.truncate(backend.root / path, keep)
+        # like put's: a truncated file at a new final name (an existing file is only ever
+        # replaced by a rename, which cannot tear it)
+        if plan.draw("torn", "put", path) and not (backend.root / path).exists():
+            tmp = backend.root / self._real.head / self._real.name
+            data = tmp.read_bytes()
+            self._real.abort()
+            keep = plan.rng("torn", path).randrange(0, max(len(data), 1))
+            dst = backend.root / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data[:keep])
             plan.taint("torn", backend.root, path)
             raise _err("write", backend, path, errno.EIO, "injected torn write")
         n = int(self._real.publish(path))

@@ -150,8 +150,45 @@ def read_pins(backend: Backend) -> list[PinRecord]:
             continue  # released between list and read: nothing to keep
         except OSError as exc:
             raise PinReadError(f"cannot read pin {backend.url}/{PIN_DIR}/{name}: {exc}") from exc
-        out.append(parse_pin(name, data, where=f"{backend.url}/{PIN_DIR}/{name}"))
+        try:
+            out.append(parse_pin(name, data, where=f"{backend.url}/{PIN_DIR}/{name}"))
+        except PinReadError as exc:
+            dead = _dead_writer_of(name)
+            if dead is None:
+                raise
+            # a pin torn by a writer that is gone (its own name says who: this host, a pid no
+            # longer alive) protects nothing a future commit needs; what that writer wrote is
+            # unknown, so it is handled like any expired pin: removed, and the tier swept
+            log.warning(
+                "%s; its writer (pid %d on this host) is gone: treated as expired", exc, dead
+            )
+            rec = PinRecord(name=name, host=HOST, pid=dead, kind="unreadable", step=None)
+            rec.state = "failed"
+            out.append(rec)
     return out
+
+
+def _drop_failed_pin(backend: Backend, rec: PinRecord | None) -> None:
+    """A pin whose write failed may still be on disk, torn (a filesystem that tore the
+    rename's target); it names nothing anyone needs, so its writer removes it, best effort:
+    left there it would stop every gc of the tier while this process lives."""
+    if rec is None:
+        return
+    try:
+        backend.delete(rec.path)
+    except (OSError, StorageError) as exc:
+        log.warning("could not remove the failed pin %s: %s", rec.path, exc)
+
+
+def _dead_writer_of(name: str) -> int | None:
+    """The pid of the writer that ``name`` (``<host>-<pid>-<n>-<ns>.json``, new_record's
+    form) says made it, when that is this host and the pid is not alive; else None."""
+    stem = name[: -len(".json")] if name.endswith(".json") else ""
+    parts = stem.rsplit("-", 3)
+    if len(parts) != 4 or parts[0] != _safe(HOST) or not parts[1].isdigit() or len(parts[1]) > 9:
+        return None
+    pid = int(parts[1])
+    return None if pid_alive(pid) else pid
 
 
 def parse_pin(name: str, data: bytes, *, where: str) -> PinRecord:
@@ -206,6 +243,7 @@ class Window:
             if live.pins_on_disk:
                 write_pin(live.backend, self.record)
         except BaseException:
+            _drop_failed_pin(live.backend, self.record)
             if live.lock is not None:
                 live.lock.release_shared()
             raise
@@ -259,8 +297,9 @@ class Window:
                 write_pin(live.backend, self.record)
             else:
                 live.backend.delete(self.record.path)
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
             log.warning("could not update pin %s: %s", self.record.path, exc)
+            _drop_failed_pin(live.backend, self.record)  # never leave a torn one behind
         finally:
             if live.lock is not None:
                 live.lock.release_shared()
@@ -282,6 +321,7 @@ class Pin:
                 self.record = None
         except OSError as exc:  # this process still honours it; other processes may not
             log.warning("could not record pin of step %s on disk: %s", step, exc)
+            _drop_failed_pin(live.backend, self.record)
             self.record = None
 
     def release(self) -> None:

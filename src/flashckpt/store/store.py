@@ -176,10 +176,20 @@ class CheckpointStore:
         manifest's rename cannot be made durable (the fsync of ``steps/`` fails), the manifest
         is removed again before the error propagates: a save that raised never leaves a
         checkpoint behind (it could vanish at the next power loss, or be trusted by a restore
-        the caller was told cannot happen)."""
+        the caller was told cannot happen); so is a manifest whose write failed."""
         self.backend.sync_dirs(list(chunk_dirs))
         path = name or step_name(manifest.step)
-        self.backend.put(path, [manifest.to_json()])
+        try:
+            self.backend.put(path, [manifest.to_json()])
+        except BaseException:
+            # a write that failed may still have left a (torn) file at the final name on a
+            # filesystem that tore the rename's target: the save raised, so no manifest of it
+            # may stay behind to be restored or to stop gc as damage
+            try:
+                self.backend.delete(path)
+            except (OSError, StorageError) as exc:
+                log.warning("could not remove the failed manifest %s: %s", path, exc)
+            raise
         try:
             self.backend.sync_dirs(["steps"])
         except BaseException:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flashckpt.engine.save.context import SaveContext
+from flashckpt.engine.save.direct import Copied, DirectStager, region
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
 from flashckpt.engine.save.hooks import MutationGuard
 from flashckpt.engine.save.layout import ChunkPlan
@@ -42,11 +43,6 @@ log = logging.getLogger(__name__)
 Committer = Callable[[Manifest, list[str]], None]
 """``commit(manifest, chunk_dirs)`` makes the checkpoint exist (single rank: write the manifest;
 distributed: write this rank's part, barrier, rank 0 publishes)."""
-
-
-def _region(captured: Captured, chunk: ChunkPlan) -> tuple[Any, ...]:
-    """What a chunk holds, as a key that is the same at the next save of the same state."""
-    return tuple((captured.items[p.item].key, p.start, p.length) for p in chunk.pieces)
 
 
 class SaveJob:
@@ -93,8 +89,8 @@ class SaveJob:
         self._error_lock = threading.Lock()
         self._stream: Any = None
         self._deferred: list[tuple[Any, ...]] = []
-        # chunks copied into recycled tier files, to be hashed and named once staging ended
-        self._deferred_staged: list[tuple[int, ChunkPlan, Any, Any]] = []
+        # CPU chunks staged straight into a memory tier's files (engine/save/direct.py)
+        self._direct: DirectStager | None = None
         self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
         self._draft: Draft | None = None  # made while the chunks are written (manifests.py)
         self.t0 = time.perf_counter()
@@ -149,12 +145,13 @@ class SaveJob:
     def _stage_cpu(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
         if self.ctx.pool is None and not self.ctx.direct:
             # a synchronous save: the state cannot change until save() returns, so the workers
-            # hash and write straight from the live tensors, in parallel (no staging copy, and
-            # no hashing on the caller's thread ahead of the writes)
+            # hash and write straight from the live tensors, in parallel (no staging copy)
             self._submit(ci, None, chunk, views, None)
             return
         if self.ctx.direct:
-            self._stage_direct(ci, chunk, views)
+            if self._direct is None:
+                self._direct = DirectStager(self.ctx, reuse=self._reuse, landed=self.ledger.landed)
+            self._direct.stage(ci, chunk, views, region(self.captured, chunk))
             return
         h = codecs.hash_parts(views)
         if self._reuse(ci, h, chunk.size):
@@ -175,64 +172,14 @@ class SaveJob:
             raise
         self._submit(ci, h, chunk, [buf], slot)
 
-    def _stage_direct(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray]) -> None:
-        """Stage a CPU chunk straight into the tier's chunk file (a memory tier: the file *is*
-        the staged copy, and no worker writes it again).
-
-        A chunk that changed at the last save is most likely changed again: when retention
-        freed a file of its size (store/files/backend.py ``recycle``), the live bytes are
-        copied into that file's resident pages at once, and a persist worker hashes the copy
-        and names it after staging ended (the copy is all the optimizer step waits for).
-        Any other chunk is hashed first: unchanged, it is not copied at all; changed, it is
-        copied once, into a new file. (Hashing and copying each block while it is in cache
-        was measured slower here: 256 MiB on the 2-core VM, 53 ms against 17 + 25 ms apart.)"""
-        region = _region(self.captured, chunk)
-        staged = self.ctx.store.stage_chunk(chunk.size) if self.ctx.hints.get(region) else None
+    def _name_staged(self, c: Copied) -> None:
+        """A persist worker: name one chunk copied into a recycled file (direct.py)."""
+        if self._error is not None or self._direct is None:
+            c.staged.abort()
+            return
         try:
-            if staged is not None and staged.recycled:
-                for v in views:
-                    staged.write(v)
-                self._deferred_staged.append((ci, chunk, staged, region))
-                return
-            h = codecs.hash_parts(views)
-            if self._reuse(ci, h, chunk.size):
-                if staged is not None:
-                    staged.abort()
-                self.ctx.hints[region] = False
-                return
-            if staged is None:
-                staged = self.ctx.store.stage_chunk(chunk.size)
-            if staged is None:  # the tier cannot (not local)
-                raise SaveError(f"tier {self.ctx.store.url} cannot stage chunks in place")
-            for v in views:
-                staged.write(v)
-            self._publish(ci, h, chunk, staged)
-        except BaseException:
-            if staged is not None:
-                staged.abort()
-            raise
-        self.ctx.hints[region] = True
-
-    def _publish(self, ci: int, h: str, chunk: ChunkPlan, staged: Any) -> None:
-        ref = staged.publish(h, chunk.size)
-        self.ledger.landed(h, ref)
-        self.ctx.store.backend.sync_dirs(self.ctx.store.chunk_dirs([h]))
-
-    def _name_staged(self, ci: int, chunk: ChunkPlan, staged: Any, region: Any) -> None:
-        """A persist worker: hash a chunk copied into a recycled file, then publish it (or drop
-        it when the tier holds those bytes already)."""
-        try:
-            if self._error is not None:
-                staged.abort()
-                return
-            h = codecs.hash_parts([staged.view()])
-            if self._reuse(ci, h, chunk.size):
-                staged.abort()
-                self.ctx.hints[region] = False
-                return
-            self._publish(ci, h, chunk, staged)
+            self._direct.name(c)
         except BaseException as exc:
-            staged.abort()
             self._record_error(exc)
             raise
 
@@ -283,9 +230,9 @@ class SaveJob:
         return slot
 
     def _flush(self) -> None:
-        staged, self._deferred_staged = self._deferred_staged, []
-        for ci, chunk, f, region in staged:
-            self._pending.append(self.ctx.workers.submit(self._name_staged, ci, chunk, f, region))
+        copies = self._direct.take_deferred() if self._direct is not None else []
+        for c in copies:  # hash and name the chunks copied into recycled files (direct.py)
+            self._pending.append(self.ctx.workers.submit(self._name_staged, c))
         deferred, self._deferred = self._deferred, []
         for args in deferred:
             self._submit_now(*args)
@@ -425,9 +372,8 @@ class SaveJob:
         for args in deferred:
             if self.ctx.pool is not None:
                 self.ctx.pool.release(args[4])
-        staged, self._deferred_staged = self._deferred_staged, []
-        for _ci, _chunk, f, _region in staged:
-            f.abort()
+        if self._direct is not None:
+            self._direct.abort_deferred()
         for f in self._pending:
             try:
                 f.result()

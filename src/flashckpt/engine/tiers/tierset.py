@@ -322,7 +322,7 @@ class TierSet:
 
 
 def _drain_recycled(tier: Tier) -> None:
-    """The memory tier's recycled chunk files (store/files/backend.py LocalBackend.recycle) are
+    """The memory tier's recycled chunk files (store/files/staged.py FreePool) are
     no checkpoint: a clean close deletes them."""
     drain = getattr(tier.store.backend, "drain_free", None)
     if drain is None:

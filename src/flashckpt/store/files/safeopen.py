@@ -222,3 +222,21 @@ def write_file_atomic(
         raise
     finally:
         os.close(dfd)
+
+
+def unlink_quiet(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def storage_error(op: str, path: Path, exc: OSError) -> StorageError:
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = "; the device is full: free space or point the checkpoint root elsewhere"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "; check permissions on the checkpoint root"
+    err = StorageError(f"could not {op} {path}: {exc.strerror or exc}{hint}")
+    err.errno = exc.errno
+    return err

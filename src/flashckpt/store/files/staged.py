@@ -1,0 +1,268 @@
+"""Writing a chunk before its name is known, and the recycling pool of a memory tier.
+
+:class:`StagedFile` is a temporary file of a backend (``LocalBackend.open_staged``) filled as
+a chunk's bytes arrive and published under its hash by a rename that never follows a link.
+:class:`FreePool` keeps a memory tier's freed chunk files (gc hands them over instead of
+unlinking them) so that a later chunk of the same size is copied into resident pages instead
+of pages allocated one by one. Synchronous; no threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import stat
+import threading
+from contextlib import suppress
+from typing import Any
+
+from flashckpt.errors import StorageError
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.safeopen import check_relpath, storage_error, unlink_quiet
+
+Buffer = Any
+_tmp_counter = itertools.count()
+
+FREE_DIR = "staging/free"
+"""A memory tier's recycled chunk files (:meth:`FreePool.recycle`), named
+``<size>-<pid>-<n>.free``."""
+
+
+class FreePool:
+    """The recycled chunk files of one backend ``b`` (its ``recycle_bytes`` bounds them)."""
+
+    def __init__(self, b: Any) -> None:
+        self.b = b
+        self._bytes: int | None = None  # bytes in FREE_DIR (None: not counted yet)
+        self._lock = threading.Lock()
+
+    def recycle(self, path: str) -> int:
+        """Instead of deleting the chunk file ``path``, keep its pages for a later staged write
+        of the same size: it is moved, under no name a reader looks for, into
+        :data:`FREE_DIR` while the pool holds less than ``recycle_bytes``. Returns its size, or
+        -1 when it was not kept (the caller deletes it). Only for files on a memory filesystem,
+        which allocates every new page one by one (on the 2-core CI VM: 256 MiB written into a
+        new tmpfs file 113 ms, copied into a recycled one 25 ms, a memcpy 23 ms). A recycled
+        file is reused only once nobody else has it open (a write lease): a reader that opened
+        the chunk before gc moved it keeps its bytes, and after the move nobody finds it."""
+        if self.b.recycle_bytes <= 0 or not self.b.in_memory:
+            return -1
+        head, _, name = check_relpath(path).rpartition("/")
+        with self._lock:
+            try:
+                src = safeopen.open_dir(self.b.root, head)
+            except (OSError, StorageError):
+                return -1
+            try:
+                st = os.stat(name, dir_fd=src, follow_symlinks=False)
+                used = self._count()
+                if (
+                    not stat.S_ISREG(st.st_mode)
+                    or st.st_nlink != 1
+                    or st.st_uid != os.getuid()
+                    or st.st_size == 0
+                    or used + st.st_size > self.b.recycle_bytes
+                ):
+                    return -1
+                dst = safeopen.open_dir(self.b.root, FREE_DIR, create=True)
+                try:
+                    free = f"{st.st_size}-{os.getpid()}-{next(_tmp_counter)}.free"
+                    os.rename(name, free, src_dir_fd=src, dst_dir_fd=dst)
+                finally:
+                    os.close(dst)
+            except (OSError, StorageError):
+                return -1
+            finally:
+                os.close(src)
+            self._bytes = used + st.st_size
+            return int(st.st_size)
+
+    def drain(self) -> int:
+        """Delete every recycled file (a clean close leaves none); the bytes freed."""
+        freed = 0
+        with self._lock:
+            for name in self.b._names(FREE_DIR):
+                try:
+                    freed += self.b.size(f"{FREE_DIR}/{name}")
+                except OSError:
+                    pass
+                self.b.delete(f"{FREE_DIR}/{name}")
+            self._bytes = 0
+        return freed
+
+    def _count(self) -> int:
+        if self._bytes is None:  # a killed writer's pool is this one's now
+            total = 0
+            for name in self.b._names(FREE_DIR):
+                try:
+                    total += self.b.size(f"{FREE_DIR}/{name}")
+                except OSError:
+                    pass
+            self._bytes = total
+        return self._bytes
+
+    def take(self, size: int, dfd: int, name: str) -> int | None:
+        """A recycled file of exactly ``size`` bytes, renamed to ``name`` in ``dfd`` and
+        opened for writing under a write lease (nobody else has it open), or None."""
+        with self._lock:
+            if not self._count():
+                return None
+            prefix = f"{size}-"
+            for free in self.b._names(FREE_DIR):
+                if not free.startswith(prefix):
+                    continue
+                try:
+                    src = safeopen.open_dir(self.b.root, FREE_DIR)
+                except (OSError, StorageError):
+                    return None
+                try:
+                    os.rename(free, name, src_dir_fd=src, dst_dir_fd=dfd)
+                except OSError:
+                    continue  # taken meanwhile
+                finally:
+                    os.close(src)
+                self._bytes = max(0, (self._bytes or 0) - size)
+                fd = _open_recycled(dfd, name, size)
+                if fd is not None:
+                    return fd
+                unlink_quiet(dfd, name)  # not ours to reuse after all: it goes
+        return None
+
+
+class StagedFile:
+    """A temporary file of a :class:`LocalBackend` being filled (:meth:`LocalBackend.open_staged`).
+    A recycled file (``mapped_size``) is filled through a shared mapping of its resident pages.
+    Not thread-safe: one writer."""
+
+    def __init__(
+        self,
+        backend: Any,
+        dfd: int,
+        fd: int,
+        head: str,
+        name: str,
+        *,
+        mapped_size: int | None = None,
+    ) -> None:
+        self.backend, self._dfd, self._fd, self.head, self.name = backend, dfd, fd, head, name
+        self.written = 0
+        self._map: mmap.mmap | None = None
+        self._dst: Any = None
+        if mapped_size:
+            import numpy as np
+
+            try:
+                # MAP_POPULATE: the page tables at once (the pages are resident), not a
+                # fault per page on the first write into each
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(fd, mapped_size, flags=flags)
+            except (OSError, ValueError):
+                self.abort()
+                raise
+            self._dst = np.frombuffer(self._map, dtype=np.uint8)
+
+    @property
+    def recycled(self) -> bool:
+        return self._map is not None
+
+    def view(self) -> Any:
+        """What was written so far into a recycled file's mapping (a numpy view, no copy)."""
+        if self._dst is None:
+            raise StorageError(f"{self.name} is not a mapped recycled file (internal)")
+        return self._dst[: self.written]
+
+    def write(self, buf: Buffer) -> None:
+        mv = memoryview(buf).cast("B")
+        try:
+            if self._dst is not None:
+                import numpy as np
+
+                end = self.written + len(mv)
+                if end > len(self._dst):
+                    raise OSError(errno.EFBIG, "more bytes than the recycled file holds")
+                # numpy's copy releases the GIL (the training thread keeps running)
+                np.copyto(self._dst[self.written : end], np.frombuffer(mv, dtype=np.uint8))
+                self.written = end
+                return
+            while len(mv):
+                n = os.write(self._fd, mv)
+                self.written += n
+                mv = mv[n:]
+        except OSError as exc:
+            self.abort()
+            where = self.backend._abs(f"{self.head}/{self.name}")
+            raise storage_error("write", where, exc) from exc
+
+    def publish(self, path: str) -> int:
+        """Make the file ``path`` (fsynced first when the backend fsyncs; its directory is
+        made durable by the caller's ``sync_dirs``); returns its size. A file already at
+        ``path`` is replaced, a link there is replaced and never followed."""
+        head, _, name = check_relpath(path).rpartition("/")
+        try:
+            self._unmap()
+            if self.backend.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            dst = safeopen.open_dir(self.backend.root, head, create=True)
+            try:
+                os.replace(self.name, name, src_dir_fd=self._dfd, dst_dir_fd=dst)
+            finally:
+                os.close(dst)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                raise storage_error("write", self.backend._abs(path), exc) from exc
+            raise
+        self._close_dir()
+        return self.written
+
+    def abort(self) -> None:
+        """Drop the file (idempotent; also after a failed write or publish)."""
+        self._unmap()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._dfd >= 0:
+            unlink_quiet(self._dfd, self.name)
+            self._close_dir()
+
+    def _unmap(self) -> None:
+        if self._map is not None:
+            self._dst = None
+            self._map.close()
+            self._map = None
+            with suppress(OSError):
+                fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+    def _close_dir(self) -> None:
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
+
+
+def _open_recycled(dfd: int, name: str, size: int) -> int | None:
+    """Open the recycled file ``name`` for writing when it is still this user's regular file
+    of ``size`` bytes with one link, and a write lease shows nobody else has it open."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        ok = (
+            stat.S_ISREG(st.st_mode)
+            and st.st_size == size
+            and st.st_nlink == 1
+            and st.st_uid == os.getuid()
+        )
+        if ok:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None

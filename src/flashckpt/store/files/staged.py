@@ -59,13 +59,8 @@ class FreePool:
             try:
                 st = os.stat(name, dir_fd=src, follow_symlinks=False)
                 used = self._count()
-                if (
-                    not stat.S_ISREG(st.st_mode)
-                    or st.st_nlink != 1
-                    or st.st_uid != os.getuid()
-                    or st.st_size == 0
-                    or used + st.st_size > self.b.recycle_bytes
-                ):
+                fits = used + st.st_size <= self.b.recycle_bytes
+                if not (st.st_size and fits and _reusable(st, st.st_size)):
                     return -1
                 dst = safeopen.open_dir(self.b.root, FREE_DIR, create=True)
                 try:
@@ -82,27 +77,27 @@ class FreePool:
 
     def drain(self) -> int:
         """Delete every recycled file (a clean close leaves none); the bytes freed."""
-        freed = 0
         with self._lock:
-            for name in self.b._names(FREE_DIR):
-                try:
-                    freed += self.b.size(f"{FREE_DIR}/{name}")
-                except OSError:
-                    pass
-                self.b.delete(f"{FREE_DIR}/{name}")
+            files = self._files()
+            for path in files:
+                self.b.delete(path)
             self._bytes = 0
-        return freed
+        return sum(files.values())
 
     def _count(self) -> int:
         if self._bytes is None:  # a killed writer's pool is this one's now
-            total = 0
-            for name in self.b._names(FREE_DIR):
-                try:
-                    total += self.b.size(f"{FREE_DIR}/{name}")
-                except OSError:
-                    pass
-            self._bytes = total
+            self._bytes = sum(self._files().values())
         return self._bytes
+
+    def _files(self) -> dict[str, int]:
+        """Each recycled file's path and size (0 when it cannot be sized)."""
+        out = {}
+        for name in self.b._names(FREE_DIR):
+            try:
+                out[f"{FREE_DIR}/{name}"] = int(self.b.size(f"{FREE_DIR}/{name}"))
+            except OSError:
+                out[f"{FREE_DIR}/{name}"] = 0
+        return out
 
     def take(self, size: int, dfd: int, name: str) -> int | None:
         """A recycled file of exactly ``size`` bytes, renamed to ``name`` in ``dfd`` and
@@ -252,17 +247,21 @@ def _open_recycled(dfd: int, name: str, size: int) -> int | None:
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        ok = (
-            stat.S_ISREG(st.st_mode)
-            and st.st_size == size
-            and st.st_nlink == 1
-            and st.st_uid == os.getuid()
-        )
-        if ok:
+        if _reusable(os.fstat(fd), size):
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
             return fd
     except OSError:
         pass
     os.close(fd)
     return None
+
+
+def _reusable(st: os.stat_result, size: int) -> bool:
+    """A file whose pages may be refilled: this user's regular file of ``size`` bytes with one
+    link (a hard link planted there would make the write land in someone else's file)."""
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == size
+        and st.st_nlink == 1
+        and st.st_uid == os.getuid()
+    )

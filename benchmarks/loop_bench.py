@@ -46,7 +46,7 @@ SAVES = 2  # per process in the blocking part: the first, and one warm
 
 # -- in the child process ---------------------------------------------------------------------
 def _mlp(size_gb: float) -> dict[str, Any]:
-    from flashckpt.cli.bench_impl import build_state
+    from flashckpt.cli.bench.impl import build_state
 
     model, opt = build_state(int(size_gb * 1e9))
     return {"model": model, "optim": opt}
@@ -79,7 +79,7 @@ def _one_save(method: str, ck: Any, root: Path, step: int, state: dict[str, Any]
         return ck.save(step, state)
     sd = {k: v.state_dict() for k, v in state.items()}
     if method == "torch_save":
-        from flashckpt.cli.bench_impl import fsync_dir
+        from flashckpt.cli.bench.impl import fsync_dir
 
         with open(root / f"t{step}.pt", "wb") as f:
             torch.save(sd, f)

@@ -2,7 +2,7 @@
 
     python benchmarks/loop_cost.py [--profiles dispatch,compute,contended] [--out cost.json]
 
-(also ``flashckpt bench --parts loop-cost``). See :mod:`flashckpt.cli.bench_cost` for the
+(also ``flashckpt bench --parts loop-cost``). See :mod:`flashckpt.cli.bench.cost` for the
 loops, the methods and how the cost per save is measured.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from flashckpt.cli import bench_cost
+from flashckpt.cli.bench import cost as bench_cost
 
 
 def main(argv: list[str] | None = None) -> int:

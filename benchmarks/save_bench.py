@@ -53,7 +53,7 @@ def gpt_state(nbytes: int) -> dict[str, Any]:
 
 
 def build(name: str) -> dict[str, Any]:
-    from flashckpt.cli.bench_impl import build_state
+    from flashckpt.cli.bench.impl import build_state
 
     nbytes = SIZES[name]
     if nbytes <= 200 << 20:
@@ -63,13 +63,13 @@ def build(name: str) -> dict[str, Any]:
 
 
 def nbytes_of(state: dict[str, Any]) -> int:
-    from flashckpt.cli.bench_impl import state_nbytes
+    from flashckpt.cli.bench.impl import state_nbytes
 
     return state_nbytes(state["model"], state["optim"])
 
 
 def torch_save(root: Path, state: dict[str, Any], i: int) -> float:
-    from flashckpt.cli.bench_impl import fsync_dir
+    from flashckpt.cli.bench.impl import fsync_dir
 
     path = root / f"torch_{i}.pt"
     t0 = time.perf_counter()

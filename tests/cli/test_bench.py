@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flashckpt.cli import main
-from flashckpt.cli.bench_impl import METHODS
+from flashckpt.cli.bench.impl import METHODS
 
 
 def test_bench_quick_writes_every_method(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_bench_gpu_without_cuda_is_a_usage_error(tmp_path):
 def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floor(tmp_path):
     """benchmarks/loop_cost.py (flashckpt bench --parts loop-cost), tiny: every method runs in a
     fresh process bracketed by no-save runs, and the table shows it beside the memcpy floor."""
-    from flashckpt.cli import bench_cost
+    from flashckpt.cli.bench import cost as bench_cost
 
     res = bench_cost.run(
         profiles=("dispatch",),

@@ -3,7 +3,7 @@
 Runs the save benchmark (every method on the same state), host RSS over many saves, the GIL
 probe (persist in threads vs a process) and the training-loop benchmark; prints a markdown
 table with ratios against the targets and writes everything as JSON. The measuring code lives
-in :mod:`flashckpt.cli.bench_impl` and :mod:`flashckpt.cli.bench_loop`;
+in :mod:`flashckpt.cli.bench.impl` and :mod:`flashckpt.cli.bench.loop`;
 ``benchmarks/save_bench.py`` calls the same code.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from flashckpt.cli.bench_impl import SaveBenchConfig, run_save_bench
-from flashckpt.cli.bench_loop import LoopConfig, run_gil_probe, run_loop_bench, run_rss_series
+from flashckpt.cli.bench.impl import SaveBenchConfig, run_save_bench
+from flashckpt.cli.bench.loop import LoopConfig, run_gil_probe, run_loop_bench, run_rss_series
 from flashckpt.errors import ConfigError
 
 PARTS = ("save", "rss", "gil", "loop", "loop-cost")
@@ -165,7 +165,7 @@ def run_parts(plan: Plan, root: Path, parts: list[str]) -> dict[str, Any]:
             LoopConfig(root=root / "loop", device=plan.device, **plan.loop)
         )
     if "loop-cost" in parts:
-        from flashckpt.cli import bench_cost
+        from flashckpt.cli.bench import cost as bench_cost
 
         small = plan.size_bytes < 64 * MiB  # --quick
         out["loop_cost"] = bench_cost.run(
@@ -179,7 +179,7 @@ def run_parts(plan: Plan, root: Path, parts: list[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashckpt.cli.bench_report import render, targets
+    from flashckpt.cli.bench.report import render, targets
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     result["targets"] = targets(result)
     print(render(result))
     if "loop_cost" in result:
-        from flashckpt.cli.bench_cost import table
+        from flashckpt.cli.bench.cost import table
 
         print("\n### What a save costs the loop (ms per save)\n\n" + table(result["loop_cost"]))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")

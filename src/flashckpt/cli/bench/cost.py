@@ -196,7 +196,7 @@ def _load(n: int) -> Iterator[None]:
 
 def _run_child(cfg: dict[str, Any]) -> dict[str, Any]:
     res = subprocess.run(
-        [sys.executable, "-m", "flashckpt.cli.bench_cost", json.dumps(cfg)],
+        [sys.executable, "-m", "flashckpt.cli.bench.cost", json.dumps(cfg)],
         capture_output=True,
         text=True,
         timeout=900,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
-from flashckpt.cli.bench_impl import build_state, fsync_dir, state_nbytes, write_all
+from flashckpt.cli.bench.impl import build_state, fsync_dir, state_nbytes, write_all
 from flashckpt.demo.model import GPT, GPTConfig
 from flashckpt.engine.runtime.checkpointer import Checkpointer
 

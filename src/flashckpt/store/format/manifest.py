@@ -289,53 +289,70 @@ def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
 def _parse_entry(
     key: str, v: Any, chunks: list[ChunkRef], where: str, whole: bool = True
 ) -> TensorEntry:
-    if not isinstance(v, dict):
+    if type(v) is not dict:
         raise ManifestError(f"{where}: tensor {key!r} entry must be an object")
     kind = v["kind"]
     if kind not in ("torch", "numpy"):
         raise ManifestError(f"{where}: tensor {key!r} has unknown kind {kind!r}")
     dtype = v["dtype"]
     isz = itemsize(kind, dtype)  # validates against the allow-list
-    gshape = _shape(v["global_shape"], f"tensor {key!r} global_shape", where)
+    gshape = _shape(v["global_shape"], key, "global_shape", where)
     if math.prod(gshape) * isz > MAX_TENSOR_BYTES:
         raise ManifestError(f"{where}: tensor {key!r} claims an absurd size {gshape}")
     shards_doc = _list(v["shards"], "shards", where)
     if len(shards_doc) > MAX_SHARDS:
         raise ManifestError(f"{where}: tensor {key!r} has {len(shards_doc)} shards")
-    shards = tuple(_parse_shard(key, s, gshape, isz, chunks, where) for s in shards_doc)
-    problem = check_tiling(gshape, [(s.offset, s.shape) for s in shards], whole=whole)
-    if problem:
-        raise ManifestError(f"{where}: tensor {key!r}: {problem}; refusing to load it")
+    shards = tuple([_parse_shard(key, s, gshape, isz, chunks, where) for s in shards_doc])
+    one = len(shards) == 1 and shards[0].shape == gshape and not any(shards[0].offset)
+    if not one:  # a single shard at the origin with the global shape tiles exactly
+        problem = check_tiling(gshape, [(s.offset, s.shape) for s in shards], whole=whole)
+        if problem:
+            raise ManifestError(f"{where}: tensor {key!r}: {problem}; refusing to load it")
     return TensorEntry(key=key, kind=kind, dtype=dtype, global_shape=gshape, shards=shards)
 
 
 def _parse_shard(
     key: str, s: Any, gshape: tuple[int, ...], isz: int, chunks: list[ChunkRef], where: str
 ) -> Shard:
-    if not isinstance(s, dict):
+    if type(s) is not dict:
         raise ManifestError(f"{where}: tensor {key!r} has a malformed shard")
-    offset = _shape(s["offset"], f"tensor {key!r} shard offset", where)
-    shape = _shape(s["shape"], f"tensor {key!r} shard shape", where)
+    offset = _shape(s["offset"], key, "shard offset", where)
+    shape = _shape(s["shape"], key, "shard shape", where)
     if len(offset) != len(gshape) or len(shape) != len(gshape):
         raise ManifestError(f"{where}: tensor {key!r} shard rank differs from its global shape")
-    if any(o + n > g for o, n, g in zip(offset, shape, gshape)):
-        raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
+    for o, n, g in zip(offset, shape, gshape):
+        if o + n > g:
+            raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
     extents = []
+    total = 0
+    last = len(chunks) - 1
     for x in _list(s["extents"], "extents", where):
-        if not (isinstance(x, list) and len(x) == 3):
+        if type(x) is not list or len(x) != 3:
             raise ManifestError(f"{where}: tensor {key!r} has a malformed extent {x!r}")
-        ci = _int(x[0], "extent chunk", 0, len(chunks) - 1, where)
-        off = _int(x[1], "extent offset", 0, MAX_CHUNK_BYTES, where)
-        length = _int(x[2], "extent length", 0, MAX_CHUNK_BYTES, where)
+        ci, off, length = x
+        if not (_is_int(ci) and 0 <= ci <= last):
+            _int(ci, "extent chunk", 0, last, where)
+        if not (_is_int(off) and 0 <= off <= MAX_CHUNK_BYTES):
+            _int(off, "extent offset", 0, MAX_CHUNK_BYTES, where)
+        if not (_is_int(length) and 0 <= length <= MAX_CHUNK_BYTES):
+            _int(length, "extent length", 0, MAX_CHUNK_BYTES, where)
         if off + length > chunks[ci].size:
             raise ManifestError(
                 f"{where}: tensor {key!r} extent runs past the end of chunk {chunks[ci].hash}"
             )
         extents.append(Extent(chunk=ci, offset=off, length=length))
-    if sum(e.length for e in extents) != math.prod(shape) * isz:
+        total += length
+    if total != math.prod(shape) * isz:
         raise ManifestError(f"{where}: tensor {key!r} extents do not add up to its shard size")
-    rank = _int(s.get("rank", 0), "shard rank", 0, 1 << 24, where)
+    rank = s.get("rank", 0)
+    if not (_is_int(rank) and 0 <= rank <= 1 << 24):
+        _int(rank, "shard rank", 0, 1 << 24, where)
     return Shard(offset=offset, shape=shape, extents=tuple(extents), rank=rank)
+
+
+def _is_int(v: Any) -> bool:
+    """An int that is not a bool (``type`` is exact: JSON gives only plain ints)."""
+    return type(v) is int
 
 
 def _int(v: Any, what: str, lo: int, hi: int, where: str) -> int:
@@ -350,8 +367,17 @@ def _list(v: Any, what: str, where: str) -> list[Any]:
     return v
 
 
-def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
-    dims = _list(v, what, where)
+def _shape(v: Any, key: str, what: str, where: str) -> tuple[int, ...]:
+    """A shape or offset of tensor ``key``: a list of at most MAX_NDIM non-negative ints. The
+    message is built only on failure (this runs three times per tensor of the manifest)."""
+    if type(v) is list and len(v) <= MAX_NDIM:
+        for d in v:
+            if type(d) is not int or not 0 <= d <= MAX_TENSOR_BYTES:
+                break
+        else:
+            return tuple(v)
+    label = f"tensor {key!r} {what}"
+    dims = _list(v, label, where)
     if len(dims) > MAX_NDIM:
-        raise ManifestError(f"{where}: {what} has {len(dims)} dimensions")
-    return tuple(_int(d, what, 0, MAX_TENSOR_BYTES, where) for d in dims)
+        raise ManifestError(f"{where}: {label} has {len(dims)} dimensions")
+    return tuple(_int(d, label, 0, MAX_TENSOR_BYTES, where) for d in dims)

@@ -33,10 +33,21 @@ def register(sub: Any) -> None:
         default=1,
         help="flashckpt copies every K-th memory-tier checkpoint to disk (default 1: all)",
     )
+    p.add_argument(
+        "--segments",
+        type=int,
+        default=1,
+        help="interleave the methods in K rounds of minutes/K each (fair against host drift)",
+    )
+    p.add_argument(
+        "--load", type=int, default=0, help="N busy processes beside the trainer, whole run"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.segments != 1 or args.load != 0:
+        return _run_rounds(args)
     result = run_chaos(
         out=Path(args.dir),
         minutes=args.minutes,
@@ -50,6 +61,27 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(table(result))
+    return 0
+
+
+def _run_rounds(args: argparse.Namespace) -> int:
+    from flashckpt.demo.chaos_rounds import rounds_table, run_rounds
+
+    result = run_rounds(
+        out=Path(args.dir),
+        minutes=args.minutes,
+        mtbf_s=args.mtbf_s,
+        segments=args.segments,
+        load=args.load,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        seed=args.seed,
+        model=SMOKE_MODEL if args.small else None,
+        threads=args.threads,
+        promote_every=args.promote_every,
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(rounds_table(result))
     return 0
 
 

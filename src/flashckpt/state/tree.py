@@ -53,14 +53,14 @@ class Encoder:
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         if depth > _MAX_DEPTH:
             raise UnsupportedStateError(f"state at {path!r} is nested deeper than {_MAX_DEPTH}")
+        if isinstance(obj, torch.Tensor):  # first: most leaves of a training state are tensors
+            return {"__t__": self._leaf(path, obj)}
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int) and type(obj) is int:
             return obj
         if isinstance(obj, float) and type(obj) is float:
             return obj if math.isfinite(obj) else {"__float__": repr(obj)}
-        if isinstance(obj, torch.Tensor):
-            return {"__t__": self._leaf(path, obj)}
         if isinstance(obj, np.ndarray):
             return {"__np__": self._leaf(path, obj)}
         if isinstance(obj, np.generic):  # the value encoded like any other (nan, bytes, ...)

@@ -14,6 +14,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from flashckpt.errors import ManifestError
@@ -166,26 +167,34 @@ def check_allocatable(entry: TensorEntry, shape: tuple[int, ...] | None = None) 
 
 
 def tensors_json(tensors: dict[str, TensorEntry]) -> str:
-    """The JSON text of a manifest's ``tensors`` (what :meth:`Manifest.to_json` writes)."""
-    doc = {k: _entry_json(e) for k, e in tensors.items()}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    """The JSON text of a manifest's ``tensors`` (what :meth:`Manifest.to_json` writes),
+    rendered as text straight from the entries: building a dict per tensor for ``json.dumps``
+    cost 10 us per tensor, most of a small tensor's save. Keys are escaped by the encoder
+    ``json.dumps`` itself uses; every other value is an int or an allow-listed name."""
+    return "{" + ",".join([_entry_text(k, e) for k, e in tensors.items()]) + "}"
 
 
-def _entry_json(e: TensorEntry) -> dict[str, Any]:
-    return {
-        "kind": e.kind,
-        "dtype": e.dtype,
-        "global_shape": list(e.global_shape),
-        "shards": [
-            {
-                "offset": list(s.offset),
-                "shape": list(s.shape),
-                "rank": s.rank,
-                "extents": [[x.chunk, x.offset, x.length] for x in s.extents],
-            }
+def _ints(xs: tuple[int, ...]) -> str:
+    return ",".join([str(int(x)) for x in xs])
+
+
+def _extents(xs: tuple[Extent, ...]) -> str:
+    return ",".join([f"[{x.chunk:d},{x.offset:d},{x.length:d}]" for x in xs])
+
+
+def _entry_text(key: str, e: TensorEntry) -> str:
+    shards = ",".join(
+        [
+            f'{{"offset":[{_ints(s.offset)}],"shape":[{_ints(s.shape)}],"rank":{s.rank:d},'
+            f'"extents":[{_extents(s.extents)}]}}'
             for s in e.shards
-        ],
-    }
+        ]
+    )
+    return (
+        f'{encode_basestring_ascii(key)}:{{"kind":{encode_basestring_ascii(e.kind)},'
+        f'"dtype":{encode_basestring_ascii(e.dtype)},"global_shape":[{_ints(e.global_shape)}],'
+        f'"shards":[{shards}]}}'
+    )
 
 
 def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) -> Manifest:

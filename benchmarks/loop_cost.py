@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=70)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--load", type=int, default=2, help="busy processes in the contended profile")
+    p.add_argument("--rounds", type=int, default=1, help="repeat each method, rotating order")
     p.add_argument("--dir", default=None, help="where the runs write (default: the temp dir)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     a = p.parse_args(argv)
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=a.steps,
         every=a.every,
         load=a.load,
+        rounds=a.rounds,
         work_dir=a.dir,
         say=lambda m: print(m, file=sys.stderr),
     )

@@ -46,6 +46,7 @@ def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floo
     fresh process bracketed by no-save runs, and the table shows it beside the memcpy floor."""
     from flashckpt.cli.bench import cost as bench_cost
 
+    said: list[str] = []
     res = bench_cost.run(
         profiles=("dispatch",),
         methods=("torch_save", "flashckpt_memory"),
@@ -53,17 +54,24 @@ def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floo
         tensors=8,
         steps=14,
         every=4,
+        rounds=2,
         work_dir=str(tmp_path),
-        say=lambda _m: None,
+        say=said.append,
     )
     prof = res["profiles"]["dispatch"]
-    assert len(prof["baselines"]) == 3  # before the first method and after each
+    assert len(prof["baselines"]) == 5  # before the first run and after each of 2 x 2 runs
+    # the second round runs the methods in the other order
+    order = [m.split()[1] for m in said if "ms/save" in m]
+    assert order == ["torch_save", "flashckpt_memory", "flashckpt_memory", "torch_save"]
     for name in ("torch_save", "flashckpt_memory"):
         r = prof["methods"][name]
         assert "error" not in r, r
         assert r["saves"] == 2 and r["own_step_s"] > 0
         assert {"cost_s", "own_s", "first_s", "warm_s"} <= set(r)
+        assert len(r["rounds_cost_s"]) == 2 and r["failed_rounds"] == 0
+        assert min(r["rounds_cost_s"]) <= r["cost_s"] <= max(r["rounds_cost_s"])
     assert res["memcpy_s"] > 0
     table = bench_cost.table(res)
     assert "| dispatch |" in table and "flashckpt_memory" in table and "memcpy" in table
+    assert table.count("..") >= 2  # each method's spread over its rounds
     assert list(tmp_path.iterdir()) == []  # the runs' roots are removed

@@ -62,6 +62,7 @@ class Governor:
     _flight: tuple[int, str] | None = None  # (step, mode) of the save being measured
     _lock: threading.Lock = field(default_factory=threading.Lock)
     last: dict[str, object] = field(default_factory=dict)  # the latest decision (status)
+    priority: str = "unmanaged"  # the background threads' CPU level (engine/runtime/priority.py)
 
     def __post_init__(self) -> None:
         self.meter.on_cost = self._settled
@@ -107,6 +108,7 @@ class Governor:
             "background_cost_s": None if bg is None else round(bg, 6),
             "foreground_cost_s": None if fg is None else round(fg, 6),
             "budget_s": None if budget is None else round(budget, 6),
+            "priority": self.priority,
         }
         if self.journal is not None and self.enabled:
             self.journal.append("governor", **self.last)

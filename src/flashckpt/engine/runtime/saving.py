@@ -23,6 +23,7 @@ from flashckpt.engine.options import Options
 from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.meter import RunMeter
+from flashckpt.engine.runtime.priority import ThreadPriority
 from flashckpt.engine.save.context import build_context
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
@@ -74,12 +75,18 @@ class SavePath:
         self.pool = StagingPool(
             budget_bytes=o.host_memory_budget_bytes, chunk_bytes=o.chunk_bytes, backing=arena
         )
-        self.stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage")
+        # async saves run beside training: their threads run at the background CPU level
+        # while the governor keeps them in the background (engine/runtime/priority.py)
+        self.priority = ThreadPriority()
+        start = self.priority.register if o.async_save else None
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage", initializer=start)
         self.after = AfterSave(tiers, self.stager)  # promotion + retention
         self.threads = persist_threads(
             workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
         )
-        self.workers = ThreadPoolExecutor(self.threads, thread_name_prefix="flashckpt-persist")
+        self.workers = ThreadPoolExecutor(
+            self.threads, thread_name_prefix="flashckpt-persist", initializer=start
+        )
         # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
         self.fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self.fingerprinter = Fingerprinter() if o.incremental else None
@@ -87,7 +94,10 @@ class SavePath:
         self.hints: dict[tuple[Any, ...], bool] = {}
         # what each async save costs the loop, and whether the next runs in the background
         self.governor = Governor(
-            journal=journal, budget_s=o.save_budget_s, enabled=o.governor and o.async_save
+            journal=journal,
+            budget_s=o.save_budget_s,
+            enabled=o.governor and o.async_save,
+            priority=self.priority.describe() if o.async_save else "unmanaged",
         )
         self.gate = StepGate(self._pre_step)
         self.damaged: set[int] = set()  # steps restore() found damaged in every tier
@@ -130,6 +140,8 @@ class SavePath:
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
         self.meter.saved(step, time.time())
         mode = self.governor.started(step) if self.options.async_save else None
+        if mode is not None:  # the loop waits for a foreground save: its threads at full speed
+            self.priority.set("foreground" if mode == FOREGROUND else "background")
         job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
         self.journal.append("save_start", step=step)
         if self.options.async_save:

@@ -1,0 +1,98 @@
+"""The CPU priority of a Checkpointer's background threads, set per thread by the governor.
+
+While a save runs in the background its threads (the stager, the persist workers) compete
+with the training loop for the cores; while it runs in the foreground the loop waits for them.
+So each thread registers itself when it starts, and the governor moves them all between two
+levels:
+
+* **background** (training runs beside them): ``SCHED_BATCH``, which the kernel treats as
+  CPU-bound work that never preempts a waking task, so a training thread that wakes (a kernel
+  launch returns, a data-loader batch lands) runs at once; and, where this process may lower
+  a thread's nice value again (root, CAP_SYS_NICE, or an ``RLIMIT_NICE`` that allows nice 0),
+  nice 10 as well, which gives the thread about a tenth of a core's share when it contends with
+  a nice-0 training thread.
+* **foreground** (the loop waits): ``SCHED_OTHER`` at nice 0, so the save finishes as fast as
+  the host allows.
+
+An unprivileged process can move a thread from ``SCHED_BATCH`` back to ``SCHED_OTHER`` but not
+raise its nice value back (nor leave ``SCHED_IDLE``): it gets ``SCHED_BATCH`` alone rather than a
+level it could not undo. Where the calls do not exist (not Linux) or are refused, every call
+is a no-op; ``level`` then says ``"unmanaged"``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+BACKGROUND_NICE = 10
+_BATCH = getattr(os, "SCHED_BATCH", None)
+_OTHER = getattr(os, "SCHED_OTHER", None)
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may set a thread's nice value back to 0 after raising it."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return False
+    return soft == resource.RLIM_INFINITY or soft >= 20  # nice 0 = 20 - rlimit
+
+
+@dataclass(kw_only=True)
+class ThreadPriority:
+    """The registered background threads and the level they run at (see the module doc)."""
+
+    use_nice: bool = field(default_factory=may_raise_priority)
+    level: str = "background"  # what the threads were last set to
+    _tids: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _works: bool = _BATCH is not None and hasattr(os, "sched_setscheduler")
+
+    def register(self) -> None:
+        """Called by each background thread as it starts (a pool's ``initializer``)."""
+        tid = threading.get_native_id()
+        with self._lock:
+            self._tids.add(tid)
+            self._apply(tid, self.level)
+
+    def set(self, level: str) -> None:
+        """Move every registered thread to ``level`` (``background`` or ``foreground``)."""
+        with self._lock:
+            if level == self.level:
+                return
+            self.level = level
+            for tid in list(self._tids):
+                self._apply(tid, level)
+
+    @property
+    def threads(self) -> list[int]:
+        with self._lock:
+            return sorted(self._tids)
+
+    def describe(self) -> str:
+        """The background level in words (journal and status)."""
+        if not self._works:
+            return "unmanaged"
+        return f"SCHED_BATCH, nice {BACKGROUND_NICE}" if self.use_nice else "SCHED_BATCH"
+
+    def _apply(self, tid: int, level: str) -> None:
+        if not self._works:
+            return
+        policy = _BATCH if level == "background" else _OTHER
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))  # type: ignore[arg-type]
+            if self.use_nice:
+                nice = BACKGROUND_NICE if level == "background" else 0
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # the thread ended (a pool shrank or shut down)
+            self._tids.discard(tid)
+        except PermissionError:  # not ours to change here (a sandbox): stop trying
+            self._works = False
+        except OSError:
+            self._tids.discard(tid)

@@ -1,0 +1,107 @@
+"""The background threads' CPU level (engine/runtime/priority.py): SCHED_BATCH (and nice 10
+where it can be undone) while a save runs beside training, normal while the loop waits."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import flashckpt
+from flashckpt.engine.runtime import priority as prio
+from flashckpt.engine.runtime.governor import FOREGROUND
+from flashckpt.engine.runtime.priority import BACKGROUND_NICE, ThreadPriority
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")
+
+
+def _thread(p: ThreadPriority):
+    ready, done = threading.Event(), threading.Event()
+    box: dict = {}
+
+    def run() -> None:
+        p.register()
+        box["tid"] = threading.get_native_id()
+        ready.set()
+        done.wait(30)
+
+    t = threading.Thread(target=run)
+    t.start()
+    ready.wait(10)
+    return box["tid"], done, t
+
+
+def _level(tid: int) -> tuple[int, int]:
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.parametrize("use_nice", [True, False])
+def test_threads_move_between_the_levels_and_back(use_nice: bool) -> None:
+    if use_nice and not prio.may_raise_priority():
+        pytest.skip("this process may not lower a nice value again")
+    p = ThreadPriority(use_nice=use_nice)
+    tid, done, t = _thread(p)
+    try:
+        nice = BACKGROUND_NICE if use_nice else 0
+        assert _level(tid) == (os.SCHED_BATCH, nice)  # registered at the background level
+        p.set("foreground")
+        assert _level(tid) == (os.SCHED_OTHER, 0)
+        p.set("background")
+        assert _level(tid) == (os.SCHED_BATCH, nice)
+        assert p.threads == [tid]
+        assert p.describe() == ("SCHED_BATCH, nice 10" if use_nice else "SCHED_BATCH")
+    finally:
+        done.set()
+        t.join()
+    p.set("foreground")  # the thread is gone: dropped, no error
+    assert p.threads == []
+    assert _level(threading.get_native_id()) == (os.SCHED_OTHER, 0)  # the caller untouched
+
+
+def test_unprivileged_without_rlimit_nice_uses_batch_alone(monkeypatch) -> None:
+    import resource
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (0, 0))
+    assert not prio.may_raise_priority()
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (20, 20))
+    assert prio.may_raise_priority()
+
+
+def test_a_refused_change_turns_the_levels_off_without_an_error(monkeypatch) -> None:
+    def refuse(*_a):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    p = ThreadPriority(use_nice=False)
+    _tid, done, t = _thread(p)
+    try:
+        p.set("foreground")
+        assert p.describe() == "unmanaged"
+    finally:
+        done.set()
+        t.join()
+
+
+def test_async_saves_run_their_threads_in_the_background_and_foreground_saves_at_full_speed(
+    tmp_path,
+) -> None:
+    state = {"m": {f"w{i}": torch.randn(1000) for i in range(8)}}
+    with flashckpt.Checkpointer(tmp_path, async_save=True, chunk_size="8KiB") as ck:
+        saver = ck._saver
+        ck.save(1, state).wait()
+        tids = saver.priority.threads
+        assert tids  # the stager and the persist workers registered
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
+        saver.governor.mode = FOREGROUND  # what the governor decides when it measured so
+        ck.save(2, state).wait()
+        assert {os.sched_getscheduler(t) for t in saver.priority.threads} == {os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread never changes
+
+
+def test_synchronous_saves_leave_their_threads_alone(tmp_path) -> None:
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.randn(100)})
+        assert ck._saver.priority.threads == []

@@ -60,6 +60,21 @@ def test_threads_move_between_the_levels_and_back(use_nice: bool) -> None:
     assert _level(threading.get_native_id()) == (os.SCHED_OTHER, 0)  # the caller untouched
 
 
+def test_a_thread_id_reused_after_its_thread_ended_is_never_touched() -> None:
+    """Regression: the kernel reuses the id of a thread that ended; a level change then moved
+    whatever thread had the id now (found when this file ran beside others: an id registered
+    by an ended thread was alive again)."""
+    p = ThreadPriority(use_nice=False)
+    _tid, done, t = _thread(p)
+    done.set()
+    t.join()
+    me = threading.get_native_id()
+    p._tids[me] = t  # the ended thread's entry, now under an id a live thread (this one) has
+    p.set("foreground")
+    p.set("background")
+    assert _level(me) == (os.SCHED_OTHER, 0) and p.threads == []
+
+
 def test_unprivileged_without_rlimit_nice_uses_batch_alone(monkeypatch) -> None:
     import resource
 

@@ -50,7 +50,10 @@ class ThreadPriority:
 
     use_nice: bool = field(default_factory=may_raise_priority)
     level: str = "background"  # what the threads were last set to
-    _tids: set[int] = field(default_factory=set)
+    # thread ids are reused by the kernel once a thread ended: each is kept with its Thread and
+    # touched only while that thread is alive (else a later, unrelated thread with the same id,
+    # the training thread even, would be moved)
+    _tids: dict[int, threading.Thread] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _works: bool = _BATCH is not None and hasattr(os, "sched_setscheduler")
 
@@ -58,7 +61,7 @@ class ThreadPriority:
         """Called by each background thread as it starts (a pool's ``initializer``)."""
         tid = threading.get_native_id()
         with self._lock:
-            self._tids.add(tid)
+            self._tids[tid] = threading.current_thread()
             self._apply(tid, self.level)
 
     def set(self, level: str) -> None:
@@ -72,8 +75,9 @@ class ThreadPriority:
 
     @property
     def threads(self) -> list[int]:
+        """The ids of the registered threads still alive."""
         with self._lock:
-            return sorted(self._tids)
+            return sorted(t for t, th in self._tids.items() if th.is_alive())
 
     def describe(self) -> str:
         """The background level in words (journal and status)."""
@@ -84,15 +88,19 @@ class ThreadPriority:
     def _apply(self, tid: int, level: str) -> None:
         if not self._works:
             return
+        thread = self._tids.get(tid)
+        if thread is None or not thread.is_alive():
+            self._tids.pop(tid, None)
+            return
         policy = _BATCH if level == "background" else _OTHER
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))  # type: ignore[arg-type]
             if self.use_nice:
                 nice = BACKGROUND_NICE if level == "background" else 0
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:  # the thread ended (a pool shrank or shut down)
-            self._tids.discard(tid)
+        except ProcessLookupError:  # the thread ended just now
+            self._tids.pop(tid, None)
         except PermissionError:  # not ours to change here (a sandbox): stop trying
             self._works = False
         except OSError:
-            self._tids.discard(tid)
+            self._tids.pop(tid, None)

@@ -50,7 +50,7 @@ from flashckpt.distributed.ownership import split_for_rank
 from flashckpt.distributed.replication.peerrestore import peer_source
 from flashckpt.distributed.restore import restore_agreed
 from flashckpt.engine.options import Replication
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, DistributedError
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
 from flashckpt.store.format.manifest import Manifest
@@ -199,12 +199,30 @@ class DistRuntime:
             verdict = decide()
             store.set(key, verdict.encode())
         else:
-            verdict = bytes(store.get(key)).decode()  # waits up to the Store's timeout
+            verdict = self._await_verdict(store, key, step)
             if store.add(f"{key}/read", 1) == self.world_size - 1:
                 store.delete_key(key)
                 store.delete_key(f"{key}/read")
         self._decided = (step, verdict)
         return verdict
+
+    def _await_verdict(self, store: Any, key: str, step: int) -> str:
+        """Rank 0's verdict for ``step``, waited for at most ``dist_timeout_s`` (the Store's
+        own timeout is 30 minutes under torchrun): a :class:`DistributedError` saying so."""
+        timeout_s = self.ctx.timeout_s
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+            return bytes(store.get(key)).decode()
+        except Exception as exc:
+            raise DistributedError(
+                f"rank {self.rank} waited {timeout_s:g}s (dist_timeout_s) for rank 0's decision "
+                f"whether to save step {step} ({type(exc).__name__}: {exc}); rank 0 crashed, "
+                "hung, or calls should_save() for other steps than this rank. Every rank must "
+                "call should_save() for every step; raise dist_timeout_s if rank 0 legitimately "
+                "takes longer to reach a step",
+                phase="should_save",
+                ranks=[0],
+            ) from exc
 
     # -- saving -------------------------------------------------------------------------------
     def run_save(self, step: int, save: Callable[[], T]) -> T:

@@ -50,7 +50,7 @@ from flashckpt.distributed.ownership import split_for_rank
 from flashckpt.distributed.replication.peerrestore import peer_source
 from flashckpt.distributed.restore import restore_agreed
 from flashckpt.engine.options import Replication
-from flashckpt.errors import ConfigError, DistributedError
+from flashckpt.errors import ConfigError, DistributedError, FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
 from flashckpt.store.format.manifest import Manifest
@@ -79,6 +79,8 @@ class DistRuntime:
         self.side_lock = threading.RLock()  # held by a replication round or a side_channel()
         self.replicator: Any = None  # dist.replicate.Replicator once start() ran
         self._tiers: Any = None
+        self._journal: Journal | None = None
+        self._swept = False  # the stranded node-tier steps were promoted since the suspension
 
     @classmethod
     def detect(
@@ -153,7 +155,7 @@ class DistRuntime:
     def start(self, tiers: Any, journal: Journal) -> None:
         """After the tiers exist (``TierSet``): mark the memory tier node-local and start the
         replication thread (:mod:`flashckpt.distributed.replication.replicate`)."""
-        self._tiers = tiers
+        self._tiers, self._journal = tiers, journal
         mem = tiers.by_name("memory")
         if not self.node_local or mem is None:
             return
@@ -168,6 +170,15 @@ class DistRuntime:
         """Finish the replication round in progress (bounded) and stop the thread."""
         if self.replicator is not None:
             self.replicator.stop()
+
+    def close_tiers(
+        self, tiers: Any, journal: Journal, *, empty: bool, timeout_s: float | None
+    ) -> float | None:
+        """A clean close of every rank: what only node tiers hold goes to disk, then each memory
+        tier's owner empties it (:mod:`flashckpt.distributed.closing`)."""
+        from flashckpt.distributed.closing import close_tiers
+
+        return close_tiers(self, tiers, journal, empty=empty, timeout_s=timeout_s)
 
     @contextmanager
     def side_channel(self) -> Iterator[Any]:
@@ -259,8 +270,23 @@ class DistRuntime:
         )
 
     def tier(self, tiers: Any, nbytes: int) -> Any:
-        """The tier of this save, chosen by rank 0 for every rank (phase ``plan``)."""
-        return self._require_attempt().plan(tiers, nbytes)
+        """The tier of this save, chosen by rank 0 for every rank (phase ``plan``). The first
+        save after any rank's replication stopped first promotes what only the node tiers
+        hold (:mod:`flashckpt.distributed.replication.stranded`), on every rank together."""
+        attempt = self._require_attempt()
+        tier = attempt.plan(tiers, nbytes, swept=self._swept)
+        if attempt.sweep and self._journal is not None:
+            from flashckpt.distributed.replication.stranded import promote_stranded
+
+            self._swept = True
+            barrier = self.ctx.barrier("stranded", attempt.step)
+            try:
+                promote_stranded(barrier, rank=self.rank, tiers=tiers, journal=self._journal)
+            except FlashCkptError as exc:  # the save goes on: close() tries again
+                log.warning("promoting the steps only the node tiers hold: %s", exc)
+            finally:
+                self.ctx.finished(barrier)
+        return tier
 
     def job(self, *, retain: Callable[[], object] | None, **kwargs: Any) -> DistSaveJob:
         attempt = self._require_attempt()

@@ -1,0 +1,161 @@
+"""Node loss under replicas=1 and clean closes under torch.distributed (issue 27), on forked gloo
+ranks with nodes simulated by Replication(placement=...), each with its own memory tier:
+
+* a slow peer: every rank's suspension reaches the tier choice, and what only the node tiers
+  held reaches the disk by the next save, so no step reported saved is lost with a node;
+* a clean close of every rank gives the memory tiers back (each tier emptied by its owner) once
+  their steps are on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flashckpt import Checkpointer
+from flashckpt.engine.options import Replication
+from flashckpt.journal import read_events
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.store import CheckpointStore
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    base = Path("/dev/shm")
+    d = base / f"flashckpt-loss-{uuid.uuid4().hex[:12]}" if base.is_dir() else tmp_path / "shm"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # the same model on every rank; each weight is its own chunk
+    return nn.Sequential(*[nn.Linear(256, 300) for _ in range(4)])
+
+
+def _open(root: str, shm: str, rank: int, **kw: Any) -> Checkpointer:
+    rep = Replication(placement=lambda r: f"n{r}", timeout_s=kw.pop("timeout_s", 20))
+    return Checkpointer(
+        root,
+        memory_tier=f"{shm}/n{rank}",
+        replicas=rep,
+        fsync=False,
+        dist_timeout_s=20,
+        keep_memory=10,
+        **kw,
+    )
+
+
+def _where(ck: Checkpointer, steps: list[int]) -> dict[int, list[str]]:
+    return {s: [t.name for t in ck._tiers.tiers if s in t.store.steps()] for s in steps}
+
+
+def slow_peer_job(rank: int, world: int, root: str, shm: str) -> dict[str, Any]:
+    from flashckpt.distributed.replication import transfer
+
+    real = transfer.Exchange.chunks
+    calls = {"n": 0}
+
+    def chunks(self: Any, *a: Any) -> int:
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 2:
+            time.sleep(8.0)  # rank 0's round of step 2 takes longer than Replication.timeout_s
+        return real(self, *a)
+
+    transfer.Exchange.chunks = chunks  # type: ignore[method-assign]
+    model = _model()
+    with _open(root, shm, rank, timeout_s=2) as ck:
+        assert ck._dist is not None and ck._dist.replicator is not None
+        for step in (1, 2, 3, 4, 5, 6):
+            with torch.no_grad():
+                model[step % 4].weight.add_(1.0)
+            ck.save(step, {"model": model})
+            if step == 1:
+                ck._dist.replicator.drain()
+            if step == 3:
+                time.sleep(4.0)  # rank 1 gave up on rank 0 (and suspended) by now
+        before = _where(ck, [3, 4, 5, 6])
+    return {"before": before}
+
+
+def restore_job(rank: int, world: int, root: str, shm: str) -> int | None:
+    with _open(root, shm, rank) as ck:
+        return ck.restore({"model": _model(seed=1)})
+
+
+def test_a_slow_peer_suspends_the_memory_tier_for_every_rank_and_no_saved_step_is_lost(
+    ranks: Any, tmp_path: Path, shm: Path
+) -> None:
+    """Issue 27: with replicas=1, rank 0's round outlasted Replication.timeout_s; only rank 1
+    suspended replication, rank 0 kept choosing the node-local tier for every rank, and after
+    losing node 1 restore() returned 2 although saves 3-6 had been reported ok."""
+    root = tmp_path / "ckpt"
+    results = ranks.ok(ranks(slow_peer_job, 2, tmp_path, str(root), str(shm), timeout_s=120))
+    for r in results:
+        for s in (4, 5, 6):
+            assert "memory" not in r["before"][s], f"step {s} went to a suspended tier: {r}"
+            assert "local" in r["before"][s], r
+        assert "local" in r["before"][3], "step 3, only in the node tiers, reached the disk"
+    disk = CheckpointStore(LocalBackend(root)).steps()
+    assert {3, 4, 5, 6} <= set(disk), disk
+    shutil.rmtree(shm / "n1")  # node 1 is lost
+    again = ranks.ok(ranks(restore_job, 2, tmp_path / "again", str(root), str(shm)))
+    assert again == [6, 6]
+
+
+def close_job(rank: int, world: int, root: str, shm: str, replicated: bool) -> list[int]:
+    model = _model()
+    if replicated:
+        ck = _open(root, shm, rank)
+    else:
+        ck = Checkpointer(root, memory_tier=shm, fsync=False, dist_timeout_s=20, keep_memory=2)
+    with ck:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model[step].weight.add_(1.0)
+            ck.save(step, {"model": model})
+            if replicated:
+                assert ck._dist is not None and ck._dist.replicator is not None
+                ck._dist.replicator.drain()
+        return ck.steps()
+
+
+def _left(tier: Path) -> list[str]:
+    """What a clean close left in a memory tier: steps, parts, chunks, staging files (not the
+    tier's identity, written once, nor the empty lock files of the writers)."""
+    if not tier.exists():
+        return []
+    keep = {"tiers.json", "root-id", "replication.json"}
+    return sorted(
+        str(p.relative_to(tier))
+        for p in tier.rglob("*")
+        if p.is_file() and p.name not in keep and p.parent.name != "locks"
+    )
+
+
+@pytest.mark.parametrize("replicated", [False, True], ids=["shared-tier", "node-tiers"])
+def test_a_clean_close_of_every_rank_empties_the_memory_tiers(
+    ranks: Any, tmp_path: Path, shm: Path, replicated: bool
+) -> None:
+    """Issue 27: in torch.distributed mode the memory tier was never emptied at a clean close
+    (a torchtitan run left 142 MB of /dev/shm per run). Same rule as one process
+    (engine/tiers/closing.py), applied by each tier's owner once every rank closed."""
+    root = tmp_path / "ckpt"
+    results = ranks.ok(ranks(close_job, 2, tmp_path, str(root), str(shm), replicated))
+    assert results[0] == [1, 2, 3]
+    tiers = [shm / "n0", shm / "n1"] if replicated else [shm]
+    for tier in tiers:
+        assert CheckpointStore(LocalBackend(tier)).steps() == [], tier
+        assert _left(tier) == [], f"{tier} still holds files flashckpt created"
+    emptied = [e for e in read_events(root) if e["event"] == "memory_emptied"]
+    assert len(emptied) == len(tiers), emptied
+    assert CheckpointStore(LocalBackend(root)).steps() == [1, 2, 3]

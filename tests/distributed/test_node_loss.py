@@ -159,3 +159,57 @@ def test_a_clean_close_of_every_rank_empties_the_memory_tiers(
     emptied = [e for e in read_events(root) if e["event"] == "memory_emptied"]
     assert len(emptied) == len(tiers), emptied
     assert CheckpointStore(LocalBackend(root)).steps() == [1, 2, 3]
+
+
+def stranded_job(rank: int, world: int, root: str, shm: str, phase: str) -> Any:
+    """``first``: step 1 replicated (and on disk), step 2 published in the node tiers only, then
+    the job dies without close(). ``again``: restore, then save step 2 again."""
+    from flashckpt.distributed.replication.replicate import Replicator
+
+    model = _model()
+    if phase == "first":
+        real = Replicator.published
+
+        def published(self: Any, part: Any) -> None:
+            if part.step != 2:  # step 2 is never replicated: its node dies first
+                real(self, part)
+
+        Replicator.published = published  # type: ignore[method-assign]
+        ck = _open(root, shm, rank)
+        assert ck._dist is not None and ck._dist.replicator is not None
+        ck.save(1, {"model": model})
+        ck._dist.replicator.drain()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # every chunk changes: rank 1's chunks of step 2 exist only on n1
+        ck.save(2, {"model": model})
+        ck._closed = True  # killed: no close(), nothing promoted
+        return None
+    with _open(root, shm, rank) as ck:
+        got = ck.restore({"model": model})
+        try:
+            ck.save(2, {"model": model})
+            saved: Any = True
+        except Exception as exc:
+            saved = f"{type(exc).__name__}: {exc}"
+    return {"restored": got, "saved": saved}
+
+
+def test_a_published_step_no_node_can_assemble_is_replaced_by_the_next_save_of_it(
+    ranks: Any, tmp_path: Path, shm: Path
+) -> None:
+    """Issue 27: step 2 published in the node tiers, never replicated, node 1 lost: restore()
+    falls back to step 1, and every later save(2) failed on every rank ("already committed"),
+    across restarts. "Already committed" must mean restorable somewhere: the step is handled like
+    a damaged one and replaced."""
+    root = tmp_path / "ckpt"
+    ranks(stranded_job, 2, tmp_path, str(root), str(shm), "first")
+    assert 2 not in CheckpointStore(LocalBackend(root)).steps()
+    assert 2 in CheckpointStore(LocalBackend(shm / "n0")).steps()
+    shutil.rmtree(shm / "n1")  # node 1 is lost with its chunks of step 2
+    got = ranks.ok(ranks(stranded_job, 2, tmp_path / "2", str(root), str(shm), "again"))
+    assert got == [{"restored": 1, "saved": True}] * 2, got
+    replaced = [e for e in read_events(root) if e["event"] == "damaged_step_replaced"]
+    assert replaced and all(e["step"] == 2 for e in replaced), replaced
+    again = ranks.ok(ranks(restore_job, 2, tmp_path / "3", str(root), str(shm)))
+    assert again == [2, 2]

@@ -323,15 +323,19 @@ class DistRuntime:
         steps: list[int],
         load: Callable[[int], Any],
         load_tier: Callable[[int, Any], None] | None = None,
+        damaged: set[int] | None = None,
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);
         ``load(step)`` loads one step into ``state`` on this rank, ``load_tier(step, tier)``
         from one tier (a node-local memory tier first restores from peers:
         distributed/peerrestore)."""
 
+        bad: set[int] = damaged if damaged is not None else set()
+
         def on_corrupt(cand: int, msg: str) -> None:
             warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
             journal.append("corrupt", step=cand, tier="local", error=msg)
+            bad.add(cand)  # damaged for every rank: a later save of it replaces it
 
         peer = None
         if self.node_local and self.nodes is not None and load_tier is not None:
@@ -345,16 +349,20 @@ class DistRuntime:
             )
             if found is not None:
                 peer, load = found
-        return restore_agreed(
-            self.ctx,
-            store,
-            step=step,
-            steps=steps,
-            load=load,
-            on_corrupt=on_corrupt,
-            state=state,
-            peer=peer,
-        )
+        try:
+            return restore_agreed(
+                self.ctx,
+                store,
+                step=step,
+                steps=steps,
+                load=load,
+                on_corrupt=on_corrupt,
+                state=state,
+                peer=peer,
+            )
+        finally:  # published in the node tiers, but no node can assemble it: like damage
+            if peer is not None:
+                bad |= peer.unassemblable
 
 
 def _side_group(process_group: Any, timeout_s: float) -> Any:

@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -77,6 +77,10 @@ class PeerSource:
     # the steps the slower tiers hold (asked on rank 0 only: they are shared); None: unknown,
     # the candidates are then bounded by the steps some rank sees only outside the memory tier
     slower_steps: Callable[[], list[int]] | None = None
+    # steps published in the node tiers that no node can assemble any more (a chunk is on no
+    # node's tier: its node was lost before the step was replicated): handled like damaged
+    # ones, so a later save of that step number replaces them (engine/save/steps.py)
+    unassemblable: set[int] = field(default_factory=set)
 
 
 def peer_source(
@@ -204,6 +208,7 @@ def _try_step(
         if not plan.errors and plan.unheld():
             reason = f"{len(plan.unheld())} chunk(s) it needs are on no node's memory tier"
             peer.journal.append("peer_restore_skipped", step=cand, reason=reason)
+            peer.unassemblable.add(cand)
             return "next"  # every rank saw the same plan: the same verdict everywhere
         stats, failure = _fetch(group, peer, plan, manifest, cand, have_manifest)
         fetched = barrier.exchange(f"peer-fetch-{cand}", {"ok": not failure, "error": failure})

@@ -71,7 +71,7 @@ def promote_stranded(
         common &= set(v["steps"])
     done = []
     for step in sorted(common, reverse=True):
-        manifest = _manifest(mem, step)
+        manifest = _manifest(mem, step, len(values))
         ex = StoreReduce(barrier, f"stranded-{step}")
         if ex.all_reduce([0 if manifest is not None else 1])[0] or manifest is None:
             continue  # a rank cannot read it: the same verdict everywhere
@@ -96,12 +96,17 @@ def promote_stranded(
     return done
 
 
-def _manifest(mem: Any, step: int) -> Manifest | None:
+def _manifest(mem: Any, step: int, world: int) -> Manifest | None:
+    """The step's manifest, or None: unreadable, or saved by another number of ranks (each rank
+    copies what the saving rank of its number wrote, from its own node's tier: with fewer ranks
+    some chunks are copied by nobody, with more a rank's number may now sit on another node;
+    the replicator handles a step restored from peers, replication/replicate.py)."""
     try:
-        return mem.store.load_manifest(step)  # type: ignore[no-any-return]
+        manifest: Manifest = mem.store.load_manifest(step)
     except FlashCkptError as exc:
         log.warning("step %d in the memory tier: %s", step, exc)
         return None
+    return manifest if manifest.world_size == world else None
 
 
 def _after_disk(tiers: Any, local: Any, manifest: Manifest) -> None:

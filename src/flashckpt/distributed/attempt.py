@@ -8,9 +8,11 @@ the same :class:`~flashckpt.errors.DistributedError` on every rank.
 
 Phases, in order (every rank, every attempt):
 
-``plan``     training thread, before anything is written: each rank posts ok (and its byte
-             count) or its error; rank 0 picks the tier for the whole save
-             (``TierSet.target`` on the summed bytes) and every rank takes it by name.
+``plan``     training thread, before anything is written: each rank posts ok (its byte
+             count, and whether its memory tier is suspended: its replication stopped) or its
+             error; a suspension posted by any rank suspends the tier on every rank, then
+             rank 0 picks the tier for the whole save (``TierSet.target`` on the summed
+             bytes) and every rank takes it by name.
 ``save``     after this rank's chunks and part are durable (or it failed).
 ``publish``  after rank 0 wrote ``steps/<step>.json`` (or failed to).
 ``retain``   after rank 0 applied retention and gc (the others wait so gc never races their next

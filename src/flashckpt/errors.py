@@ -73,6 +73,13 @@ class DistributedError(FlashCkptError):
         self.ranks = list(ranks or [])
 
 
+class OutcomeUnknownError(DistributedError):
+    """A distributed save whose outcome this rank cannot know: the rank that publishes the
+    manifest stopped answering after every part was durable, so the step may or may not be
+    committed. ``restore()`` (and ``has_step``) tell which; a step that is committed restores
+    exactly what was saved (every part was durable before it could be published)."""
+
+
 __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
@@ -81,6 +88,7 @@ __all__ = [
     "LockedError",
     "ManifestError",
     "NoCheckpointError",
+    "OutcomeUnknownError",
     "SaveError",
     "StateMismatchError",
     "StorageError",

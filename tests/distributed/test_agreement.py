@@ -76,7 +76,8 @@ def tier_job(rank: int, world: int, root: str, mem: str, full_on: int) -> dict[s
         tiers.shutil.disk_usage = disk_usage  # type: ignore[assignment]
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
-    with Checkpointer(root, memory_tier=mem, fsync=False, dist_timeout_s=10) as ck:
+    kw: dict[str, Any] = {"fsync": False, "dist_timeout_s": 10, "keep_memory_after_close": True}
+    with Checkpointer(root, memory_tier=mem, **kw) as ck:  # the test looks at the tier
         ck.save(1, {"model": model, "data": {"pos": rank}})
         ck.wait()
     return {"ok": True}

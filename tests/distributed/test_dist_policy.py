@@ -98,3 +98,37 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_one_final_sa
     results = ranks.ok(ranks(preempt_job, 2, tmp_path, str(root)))
     assert results == [{"stopped_at": 5, "preempted": True}] * 2, results
     assert CheckpointStore(LocalBackend(root)).steps() == [5]
+
+
+def absent_leader_job(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
+    """Rank 0 stops answering (hung, or behind by many steps) while rank 1 asks whether to save:
+    rank 1 must get a DistributedError within dist_timeout_s, not wait on the Store's 30 min."""
+    from flashckpt.errors import DistributedError
+
+    kw: dict[str, Any] = {"fsync": False, "dist_timeout_s": 2}
+    if kind == "sigterm":
+        kw.update(save_policy=100, handle_sigterm=True)
+    else:
+        kw.update(save_policy=EverySeconds(0.01))
+    ck = Checkpointer(root, **kw)
+    if rank == 0:
+        time.sleep(8)  # never asks: rank 1 must not wait for it past dist_timeout_s
+        return {"rank": 0}
+    t0 = time.monotonic()
+    try:
+        ck.should_save(1)
+    except DistributedError as exc:
+        return {"error": "DistributedError", "msg": str(exc), "s": time.monotonic() - t0}
+    return {"error": None, "s": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("kind", ["seconds", "sigterm"])
+def test_should_save_waits_for_rank_0_at_most_dist_timeout_s(
+    ranks: Any, tmp_path: Path, kind: str
+) -> None:
+    results = ranks.ok(
+        ranks(absent_leader_job, 2, tmp_path, str(tmp_path / "ckpt"), kind, timeout_s=30)
+    )
+    got = results[1]
+    assert got["error"] == "DistributedError", got
+    assert "dist_timeout_s" in got["msg"] and "step 1" in got["msg"], got["msg"]

@@ -38,12 +38,13 @@ def _bump(state: dict[str, Any]) -> None:
 
 def memory_tier_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
     state = ddp_state(seed=0)
-    with Checkpointer(root, memory_tier=mem, fsync=False, dist_timeout_s=30) as ck:
+    kw: dict[str, Any] = {"fsync": False, "dist_timeout_s": 30, "keep_memory_after_close": True}
+    with Checkpointer(root, memory_tier=mem, **kw) as ck:  # kept: the test looks at it
         ck.save(1, state)
         _bump(state)
         ck.save(2, state)
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
-    with Checkpointer(root, memory_tier=mem, fsync=False, dist_timeout_s=30) as ck:
+    with Checkpointer(root, memory_tier=mem, **kw) as ck:
         fresh = ddp_state(seed=9)
         step = ck.restore(fresh)
     same = all(torch.equal(expected[k], v) for k, v in fresh["model"].state_dict().items())

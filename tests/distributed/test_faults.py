@@ -84,6 +84,9 @@ def instrument(ckpt: Checkpointer, inj: Injector) -> None:
             inj.at("part")
         elif path.startswith("steps/"):
             inj.at("publish")
+            n = int(plain(path, parts))
+            inj.at("published")  # the manifest is written: nobody was told yet
+            return n
         return int(plain(path, parts))
 
     backend.put = put  # type: ignore[method-assign]
@@ -306,3 +309,46 @@ def test_killed_rank(ranks: Any, tmp_path: Path, mem_dir: Path, case: tuple[Any,
         assert 2 not in steps, f"{tier}: {steps}"
         assert not parts, f"{tier}: {parts}"
     assert cli_main(["verify", str(mem_dir), "--step", "1"]) == 0
+
+
+def unknown_job(rank: int, world: int, root: str, mem: str, case: tuple[int, str, str]) -> Any:
+    inj = Injector(rank)
+    state = new_state(inj, seed=0)
+    with open_ckpt(root, mem) as ckpt:
+        instrument(ckpt, inj)
+        ckpt.save(1, state)
+        bump(state)
+        inj.case = case
+        try:
+            ckpt.save(2, state)
+            err = None
+        except DistributedError as exc:
+            err = {"type": type(exc).__name__, "msg": str(exc), "ranks": exc.ranks}
+        ckpt._closed = True  # a peer is dead: skip close()'s waits, release nothing shared
+        return err
+
+
+def restore_job(rank: int, world: int, root: str, mem: str) -> Any:
+    inj = Injector(rank)
+    state = new_state(inj, seed=1)
+    with open_ckpt(root, mem) as ckpt:
+        return ckpt.restore(state)
+
+
+@pytest.mark.parametrize(("point", "restored"), [("published", 2), ("publish", 1)])
+def test_a_publisher_killed_around_the_manifest_reports_outcome_unknown(
+    ranks: Any, tmp_path: Path, mem_dir: Path, point: str, restored: int
+) -> None:
+    """Rank 0 killed right after (or right before) writing the manifest: rank 1 cannot know
+    whether step 2 is committed, so it must not say "nothing was published" (a restart
+    restored that step); it raises OutcomeUnknownError, and the restart restores whatever
+    the outcome was: step 2 when the manifest landed, step 1 when it did not."""
+    root = str(tmp_path / "ckpt")
+    results = ranks(unknown_job, 2, tmp_path, root, str(mem_dir), (0, point, "kill"))
+    assert results[0] is None, "rank 0 was killed"
+    err = results[1]
+    assert err is not None and err["type"] == "OutcomeUnknownError", err
+    assert "outcome unknown" in err["msg"] and "nothing was published" not in err["msg"], err
+    assert err["ranks"] == [0]
+    again = ranks.ok(ranks(restore_job, 2, tmp_path / "again", root, str(mem_dir)))
+    assert again == [restored, restored]

@@ -59,6 +59,7 @@ def _options(rank: int, mem: str, per_node: int) -> dict[str, Any]:
         "fsync": False,
         "dist_timeout_s": 30,
         "chunk_size": "16KiB",
+        "keep_memory_after_close": True,  # the tests look at the node tiers after close
     }
 
 

@@ -92,6 +92,21 @@ def peer_job(rank: int, world: int, base: str, fault: str = "") -> dict[str, Any
                 raise RuntimeError("Connection reset by peer")
 
             peerfetch._post_send = reset  # type: ignore[assignment]
+    if fault in ("stall-manifest", "stall-plan"):  # rank 1 stalls past the group's timeout
+        import time
+
+        import flashckpt.distributed.replication.peerrestore as peerrestore
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+        name = "broadcast_bytes" if fault == "stall-manifest" else "plan_fetch"
+        real = getattr(peerrestore, name)
+
+        def stalled(*a: Any, **k: Any) -> Any:
+            time.sleep(5.0)
+            return real(*a, **k)
+
+        if rank == 1:
+            setattr(peerrestore, name, stalled)
     peer = PeerSource(
         store=mem,
         tier=tier_identity(node),
@@ -210,3 +225,21 @@ def test_peer_candidates_are_no_older_than_the_newest_step_of_a_slower_tier() ->
     assert peer_candidates(None, ready, values) == []
     ready[0]["slow"] = []
     assert peer_candidates(None, ready, values) == [6, 5, 4]
+
+
+@pytest.mark.parametrize("fault", ["stall-manifest", "stall-plan"])
+def test_a_stall_while_sharing_the_manifest_or_planning_falls_back_to_the_disk_together(
+    ranks: Any, tmp_path: Path, fault: str
+) -> None:
+    """Issue 27: a stall (or kill) while the ranks exchange the manifest or plan the peer fetch
+    made restore() raise raw gloo errors; every rank now falls back to the disk tier together."""
+    _save(tmp_path / "src", 5, seed=5)
+    _save(tmp_path / "root", 3, seed=3)
+    _spread(tmp_path / "src", 5, [tmp_path / "node0", tmp_path / "node1"])
+    res = ranks.ok(ranks(peer_job, 2, tmp_path, str(tmp_path), fault))
+    for r in res:
+        assert r["step"] == 3 and _same(r["state"], _state(3)["model"])
+        (failed,) = [e for e in r["events"] if e["event"] == "peer_restore_failed"]
+        assert failed["step"] == 5 and failed["phase"] == "planning", failed
+        assert r["loads"] == ["local"], "nothing was loaded from the node tiers"
+        assert r["broken"], "the side group is given up (gloo groups do not recover)"

@@ -70,6 +70,7 @@ def node_local_job(rank: int, world: int, root: str, mem: str, per_node: int) ->
     rep = Replication(placement=lambda r: f"n{r // per_node}", timeout_s=20)
     state = ddp_state(seed=0)
     kw: dict[str, Any] = {"fsync": False, "dist_timeout_s": 30, "keep_memory": 2}
+    kw["keep_memory_after_close"] = True  # the test looks at the node tiers after close
     with Checkpointer(root, memory_tier=f"{mem}/n{node}", replicas=rep, **kw) as ck:
         for step in (1, 2, 3):
             _bump(state)
@@ -197,7 +198,8 @@ def one_node_job(rank: int, world: int, root: str, mem: str) -> dict[str, Any]:
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Checkpointer(root, memory_tier=mem, replicas=1, fsync=False, dist_timeout_s=30) as ck:
+        kw: dict[str, Any] = {"fsync": False, "dist_timeout_s": 30, "keep_memory_after_close": True}
+        with Checkpointer(root, memory_tier=mem, replicas=1, **kw) as ck:
             ck.save(1, {"x": torch.ones(3)})
             node_local = ck._dist is not None and ck._dist.node_local
     return {"warned": any("no other node" in str(w.message) for w in seen), "local": node_local}

@@ -48,6 +48,7 @@ def _open(root: str, shm: str, rank: int, per_node: int, **kw: Any) -> Checkpoin
         replicas=rep,
         fsync=False,
         dist_timeout_s=30,
+        keep_memory_after_close=kw.pop("keep_memory_after_close", True),  # tests look at the tiers
         **kw,
     )
 

@@ -8,9 +8,11 @@ the same :class:`~flashckpt.errors.DistributedError` on every rank.
 
 Phases, in order (every rank, every attempt):
 
-``plan``     training thread, before anything is written: each rank posts ok (and its byte
-             count) or its error; rank 0 picks the tier for the whole save
-             (``TierSet.target`` on the summed bytes) and every rank takes it by name.
+``plan``     training thread, before anything is written: each rank posts ok (its byte
+             count, and whether its memory tier is suspended: its replication stopped) or its
+             error; a suspension posted by any rank suspends the tier on every rank, then
+             rank 0 picks the tier for the whole save (``TierSet.target`` on the summed
+             bytes) and every rank takes it by name.
 ``save``     after this rank's chunks and part are durable (or it failed).
 ``publish``  after rank 0 wrote ``steps/<step>.json`` (or failed to).
 ``retain``   after rank 0 applied retention and gc (the others wait so gc never races their next
@@ -49,27 +51,37 @@ class SaveAttempt:
         self.stores: list[CheckpointStore] = []  # every tier's store (parts are removed there)
         self.pinned: Callable[[], set[str]] = set
         self.agreed_failure = False  # the ranks already agreed this attempt failed
+        self.sweep = False  # plan: promote the node tiers' stranded steps first (runtime.py)
 
     @property
     def missing(self) -> bool:
         """True when a rank never arrived (cleanup then is left to the next gc)."""
         return self.barrier.timed_out
 
-    def plan(self, tiers: Any, nbytes: int) -> Any:
-        """Phase ``plan``: rank 0 picks the tier for every rank (``TierSet`` ``tiers``)."""
+    def plan(self, tiers: Any, nbytes: int, *, swept: bool = False) -> Any:
+        """Phase ``plan``: rank 0 picks the tier for every rank (``TierSet`` ``tiers``).
+        ``swept``: this rank already promoted the steps stranded in its node tier since the
+        memory tier was suspended (:attr:`sweep` tells whether this save must first)."""
         self.stores = [t.store for t in tiers.tiers]
         self.pinned = tiers.pinned
+
+        first = tiers.fastest
 
         def decide(values: list[dict[str, Any]]) -> str | None:
             if not all(v.get("ok") for v in values):
                 return None
+            _suspend(first, values)  # a rank's stopped replication suspends it for everyone
             total = sum(int(v.get("nbytes", 0)) for v in values)
             return str(tiers.target(step=self.step, nbytes=total).name)
 
         self.posted = "plan"
+        post = {"ok": True, "nbytes": nbytes, "suspended": first.suspended, "swept": swept}
         with self._agreeing():
-            values, name = self.barrier.decide("plan", {"ok": True, "nbytes": nbytes}, decide)
+            values, name = self.barrier.decide("plan", post, decide)
             raise_failed(values, phase="plan", step=self.step, hint=HINT)
+        _suspend(first, values)
+        suspended = any(v.get("suspended") for v in values)
+        self.sweep = suspended and not all(v.get("swept") for v in values)
         tier = tiers.by_name(name) if isinstance(name, str) else None
         if tier is None:  # the same on every rank: they all read rank 0's answer
             self.agreed_failure = True
@@ -137,6 +149,15 @@ class SaveAttempt:
         except DistributedError as exc:
             log.warning("cleanup barrier after failed step %d: %s", self.step, exc)
         self.dist.finished(self.barrier)
+
+
+def _suspend(tier: Any, values: list[dict[str, Any]]) -> None:
+    """Suspend ``tier`` (the fastest) when any rank posted it suspended (its replication
+    stopped: the node-local steps would be lost with the node), so that rank 0's tier choice
+    sees every rank's suspension (the same values, so the same choice, on every rank)."""
+    reasons = [f"rank {r}: {v['suspended']}" for r, v in enumerate(values) if v.get("suspended")]
+    if reasons and tier.suspended is None:
+        tier.suspended = "; ".join(reasons)
 
 
 def describe(doing: str, exc: BaseException) -> str:

@@ -47,7 +47,7 @@ from flashckpt.distributed.attempt import SaveAttempt, describe
 from flashckpt.distributed.group.nodes import NodeMap
 from flashckpt.distributed.merge import merge_parts
 from flashckpt.engine.save.job import SaveJob
-from flashckpt.errors import DistributedError
+from flashckpt.errors import DistributedError, OutcomeUnknownError
 from flashckpt.store.format.manifest import Manifest, parse_manifest
 from flashckpt.store.store import CheckpointStore, part_name
 
@@ -104,10 +104,10 @@ class DistSaveJob(SaveJob):
                 error = describe("publishing the manifest", exc)
         try:
             self.attempt.agree("publish", error)
-        except DistributedError:
+        except DistributedError as exc:
             if published:  # the others gave up on rank 0: unpublish, as they all report
                 store.delete_step(step)
-            raise
+            raise _unknown_if_publisher_lost(exc, step, [0], self.attempt.barrier) from None
         self._retain()
 
     def _commit_node_local(self, manifest: Manifest, chunk_dirs: list[str], nodes: NodeMap) -> None:
@@ -142,10 +142,11 @@ class DistSaveJob(SaveJob):
                 error = describe("publishing the manifest in its node's tier", exc)
         try:
             self.attempt.agree("publish", error)
-        except DistributedError:
+        except DistributedError as exc:
             if published:  # another node failed or timed out: nobody believes in this step
                 store.delete_step(step)
-            raise
+            publishers = nodes.leaders()
+            raise _unknown_if_publisher_lost(exc, step, publishers, self.attempt.barrier) from None
         _delete_part(store, part_name(step, rank))
         if self.published is not None:
             self.published(manifest)
@@ -171,6 +172,31 @@ class DistSaveJob(SaveJob):
     def cleanup_after_failure(self) -> None:
         self.release_pins(failed=True)  # before rank 0 collects what this save wrote
         self.attempt.cleanup()
+
+
+def _unknown_if_publisher_lost(
+    exc: DistributedError, step: int, publishers: list[int], barrier: Any
+) -> DistributedError:
+    """The error of a failed ``publish`` phase. When a rank that writes the manifest (rank 0,
+    or a node leader) is among those that never answered, every part was durable and it may
+    have published before it stopped: the outcome is unknown, and saying "nothing was
+    published" would be false (a restart would restore the step). Deleting the manifest from
+    here cannot make it false either: a publisher that is stalled, not dead, writes it after.
+    So the error says what is known: :class:`OutcomeUnknownError`."""
+    lost = sorted(set(barrier.missing) & set(publishers)) if barrier.timed_out else []
+    if not lost:
+        return exc
+    err = OutcomeUnknownError(
+        f"checkpoint step {step}: outcome unknown. Every rank's part was durable, then rank(s) "
+        f"{lost}, which publish the manifest, stopped answering in phase 'publish' (timeout after "
+        f"{barrier.timeout_s:g}s, or the Store they host is gone). "
+        f"Step {step} may or may not be committed: restore() loads it if it is (it is then "
+        "complete and verified) and an older step if not; older checkpoints are intact",
+        phase="publish",
+        ranks=lost,
+    )
+    err.__cause__ = exc
+    return err
 
 
 def publish(store: CheckpointStore, step: int, world_size: int) -> None:

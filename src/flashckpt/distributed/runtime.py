@@ -50,7 +50,7 @@ from flashckpt.distributed.ownership import split_for_rank
 from flashckpt.distributed.replication.peerrestore import peer_source
 from flashckpt.distributed.restore import restore_agreed
 from flashckpt.engine.options import Replication
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, DistributedError, FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured
 from flashckpt.store.format.manifest import Manifest
@@ -79,6 +79,8 @@ class DistRuntime:
         self.side_lock = threading.RLock()  # held by a replication round or a side_channel()
         self.replicator: Any = None  # dist.replicate.Replicator once start() ran
         self._tiers: Any = None
+        self._journal: Journal | None = None
+        self._swept = False  # the stranded node-tier steps were promoted since the suspension
 
     @classmethod
     def detect(
@@ -153,7 +155,7 @@ class DistRuntime:
     def start(self, tiers: Any, journal: Journal) -> None:
         """After the tiers exist (``TierSet``): mark the memory tier node-local and start the
         replication thread (:mod:`flashckpt.distributed.replication.replicate`)."""
-        self._tiers = tiers
+        self._tiers, self._journal = tiers, journal
         mem = tiers.by_name("memory")
         if not self.node_local or mem is None:
             return
@@ -168,6 +170,15 @@ class DistRuntime:
         """Finish the replication round in progress (bounded) and stop the thread."""
         if self.replicator is not None:
             self.replicator.stop()
+
+    def close_tiers(
+        self, tiers: Any, journal: Journal, *, empty: bool, timeout_s: float | None
+    ) -> float | None:
+        """A clean close of every rank: what only node tiers hold goes to disk, then each memory
+        tier's owner empties it (:mod:`flashckpt.distributed.closing`)."""
+        from flashckpt.distributed.closing import close_tiers
+
+        return close_tiers(self, tiers, journal, empty=empty, timeout_s=timeout_s)
 
     @contextmanager
     def side_channel(self) -> Iterator[Any]:
@@ -199,12 +210,30 @@ class DistRuntime:
             verdict = decide()
             store.set(key, verdict.encode())
         else:
-            verdict = bytes(store.get(key)).decode()  # waits up to the Store's timeout
+            verdict = self._await_verdict(store, key, step)
             if store.add(f"{key}/read", 1) == self.world_size - 1:
                 store.delete_key(key)
                 store.delete_key(f"{key}/read")
         self._decided = (step, verdict)
         return verdict
+
+    def _await_verdict(self, store: Any, key: str, step: int) -> str:
+        """Rank 0's verdict for ``step``, waited for at most ``dist_timeout_s`` (the Store's
+        own timeout is 30 minutes under torchrun): a :class:`DistributedError` saying so."""
+        timeout_s = self.ctx.timeout_s
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+            return bytes(store.get(key)).decode()
+        except Exception as exc:
+            raise DistributedError(
+                f"rank {self.rank} waited {timeout_s:g}s (dist_timeout_s) for rank 0's decision "
+                f"whether to save step {step} ({type(exc).__name__}: {exc}); rank 0 crashed, "
+                "hung, or calls should_save() for other steps than this rank. Every rank must "
+                "call should_save() for every step; raise dist_timeout_s if rank 0 legitimately "
+                "takes longer to reach a step",
+                phase="should_save",
+                ranks=[0],
+            ) from exc
 
     # -- saving -------------------------------------------------------------------------------
     def run_save(self, step: int, save: Callable[[], T]) -> T:
@@ -241,8 +270,23 @@ class DistRuntime:
         )
 
     def tier(self, tiers: Any, nbytes: int) -> Any:
-        """The tier of this save, chosen by rank 0 for every rank (phase ``plan``)."""
-        return self._require_attempt().plan(tiers, nbytes)
+        """The tier of this save, chosen by rank 0 for every rank (phase ``plan``). The first
+        save after any rank's replication stopped first promotes what only the node tiers
+        hold (:mod:`flashckpt.distributed.replication.stranded`), on every rank together."""
+        attempt = self._require_attempt()
+        tier = attempt.plan(tiers, nbytes, swept=self._swept)
+        if attempt.sweep and self._journal is not None:
+            from flashckpt.distributed.replication.stranded import promote_stranded
+
+            self._swept = True
+            barrier = self.ctx.barrier("stranded", attempt.step)
+            try:
+                promote_stranded(barrier, rank=self.rank, tiers=tiers, journal=self._journal)
+            except FlashCkptError as exc:  # the save goes on: close() tries again
+                log.warning("promoting the steps only the node tiers hold: %s", exc)
+            finally:
+                self.ctx.finished(barrier)
+        return tier
 
     def job(self, *, retain: Callable[[], object] | None, **kwargs: Any) -> DistSaveJob:
         attempt = self._require_attempt()
@@ -279,15 +323,19 @@ class DistRuntime:
         steps: list[int],
         load: Callable[[int], Any],
         load_tier: Callable[[int, Any], None] | None = None,
+        damaged: set[int] | None = None,
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);
         ``load(step)`` loads one step into ``state`` on this rank, ``load_tier(step, tier)``
         from one tier (a node-local memory tier first restores from peers:
         distributed/peerrestore)."""
 
+        bad: set[int] = damaged if damaged is not None else set()
+
         def on_corrupt(cand: int, msg: str) -> None:
             warnings.warn(f"skipping damaged checkpoint step {cand}: {msg}", stacklevel=4)
             journal.append("corrupt", step=cand, tier="local", error=msg)
+            bad.add(cand)  # damaged for every rank: a later save of it replaces it
 
         peer = None
         if self.node_local and self.nodes is not None and load_tier is not None:
@@ -301,16 +349,20 @@ class DistRuntime:
             )
             if found is not None:
                 peer, load = found
-        return restore_agreed(
-            self.ctx,
-            store,
-            step=step,
-            steps=steps,
-            load=load,
-            on_corrupt=on_corrupt,
-            state=state,
-            peer=peer,
-        )
+        try:
+            return restore_agreed(
+                self.ctx,
+                store,
+                step=step,
+                steps=steps,
+                load=load,
+                on_corrupt=on_corrupt,
+                state=state,
+                peer=peer,
+            )
+        finally:  # published in the node tiers, but no node can assemble it: like damage
+            if peer is not None:
+                bad |= peer.unassemblable
 
 
 def _side_group(process_group: Any, timeout_s: float) -> Any:

@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -77,6 +77,10 @@ class PeerSource:
     # the steps the slower tiers hold (asked on rank 0 only: they are shared); None: unknown,
     # the candidates are then bounded by the steps some rank sees only outside the memory tier
     slower_steps: Callable[[], list[int]] | None = None
+    # steps published in the node tiers that no node can assemble any more (a chunk is on no
+    # node's tier: its node was lost before the step was replicated): handled like damaged
+    # ones, so a later save of that step number replaces them (engine/save/steps.py)
+    unassemblable: set[int] = field(default_factory=set)
 
 
 def peer_source(
@@ -193,17 +197,22 @@ def _try_step(
     t0 = time.perf_counter()
     src = min(r for r, v in enumerate(ready) if cand in v["mem"])
     have_manifest = cand in ready[rank]["mem"]
-    manifest = _shared_manifest(group, peer.store, cand, src, rank)
-    if manifest is None:
-        return "next"  # every rank got the same bytes: the same verdict everywhere
-    refs, error = _needs(manifest, state, rank, prepare)
     window = peer.store.liveness.open_window(kind="peer-restore", step=cand)
     ok = False
     try:
-        plan = plan_fetch(group, peer.store, refs, tier=peer.tier, error=error, window=window)
+        got, failure = _plan(group, peer, cand, src, rank, state, prepare, window)
+        # a stall or a kill under the gloo exchange (manifest, plan) must not escape as a raw
+        # gloo error on some ranks: every rank posts how planning went, and all fall back
+        planned = barrier.exchange(f"peer-plan-{cand}", {"ok": not failure, "error": failure})
+        if not _all_ok(peer, planned, cand, "planning"):
+            return "fallback"
+        if got is None:
+            return "next"  # every rank got the same bytes: the same verdict everywhere
+        manifest, plan = got
         if not plan.errors and plan.unheld():
             reason = f"{len(plan.unheld())} chunk(s) it needs are on no node's memory tier"
             peer.journal.append("peer_restore_skipped", step=cand, reason=reason)
+            peer.unassemblable.add(cand)
             return "next"  # every rank saw the same plan: the same verdict everywhere
         stats, failure = _fetch(group, peer, plan, manifest, cand, have_manifest)
         fetched = barrier.exchange(f"peer-fetch-{cand}", {"ok": not failure, "error": failure})
@@ -213,6 +222,33 @@ def _try_step(
     finally:
         window.committed() if ok else window.failed()
     return _load(barrier, peer, cand, stats, t0)
+
+
+def _plan(
+    group: Any,
+    peer: PeerSource,
+    cand: int,
+    src: int,
+    rank: int,
+    state: Mapping[str, Any],
+    prepare: Callable[[], None],
+    window: Any,
+) -> tuple[tuple[Manifest, Any] | None, str]:
+    """Steps 2 of the module docstring on this rank: the candidate's manifest (shared over the
+    side group) and the fetch plan; None when no rank can read the manifest. The second value
+    is this rank's failure: the side group failed (a peer stalled past its timeout or died: it
+    is broken for good) or planning raised."""
+    try:
+        manifest = _shared_manifest(group, peer.store, cand, src, rank)
+        if manifest is None:
+            return None, ""
+        refs, error = _needs(manifest, state, rank, prepare)
+        plan = plan_fetch(group, peer.store, refs, tier=peer.tier, error=error, window=window)
+    except Exception as exc:
+        if not isinstance(exc, FlashCkptError) and peer.broken is not None:
+            peer.broken(exc)  # the transport failed: the side group is unusable from now on
+        return None, f"{type(exc).__name__}: {exc}"
+    return (manifest, plan), ""
 
 
 def _shared_manifest(

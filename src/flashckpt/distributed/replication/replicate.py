@@ -25,9 +25,12 @@ retention wants the
 Memory-tier retention (:class:`ReplicatedRetention`) keeps the newest N *replicated* steps, the
 newest N steps, and the newer ones still in flight. A gloo error or timeout on the side group
 (a peer node died, hung, is unreachable) journals ``replication_failed`` and stops replication
-for good (gloo groups do not recover): the memory tier is then suspended for saves (rank 0 sends
-them to the disk tier; :class:`~flashckpt.engine.tiers.tierset.TierSet`), so checkpoints keep
-reaching a tier that survives the node.
+for good (gloo groups do not recover): the memory tier is then suspended for saves. A rank may
+give up alone (its peer is slow, not dead), so every rank posts its suspension in the next
+save's ``plan`` phase and rank 0's tier choice sees all of them (:mod:`flashckpt.distributed.
+attempt`); that save and the later ones go to the disk tier, and that first save promotes the
+steps only the node tiers held (:mod:`flashckpt.distributed.replication.stranded`), so
+checkpoints keep reaching a tier that survives the node.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ class DistRestore(Protocol):
         steps: list[int],
         load: Callable[[int], Any],
         load_tier: Callable[[int, Any], None] | None = None,
+        damaged: set[int] | None = None,
     ) -> int | None: ...
 
 
@@ -214,6 +215,7 @@ def restore_from_tiers(
         steps=sorted(holders),
         load=lambda s: tiers.restore(s, holders.get(s, []), partial(load, s)),
         load_tier=load,
+        damaged=attempt.damaged,  # steps no rank could load: a later save replaces them
     )
     if got is None and attempt.touched is not None:
         raise attempt.fail()

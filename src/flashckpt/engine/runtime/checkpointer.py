@@ -256,6 +256,10 @@ class Checkpointer:
             timeout_s = p.time_left() if p and preempted else self._promotion.close_timeout_s
             if self._empty_memory and not preempted and self._dist is None:
                 timeout_s = empty_memory_tier(self._tiers, self.journal, timeout_s)
+            elif self._dist is not None and not preempted:  # the owner of each tier empties it
+                timeout_s = self._dist.close_tiers(
+                    self._tiers, self.journal, empty=self._empty_memory, timeout_s=timeout_s
+                )
             self._tiers.close(timeout_s)
             if self._preempt is not None:
                 self._preempt.uninstall()

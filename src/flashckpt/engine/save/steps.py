@@ -8,9 +8,10 @@ step and the tiers. The preemption path (engine/runtime/preempt.py) and the inte
 that is already committed instead of saving it again.
 
 One exception: a step this Checkpointer's ``restore()`` skipped because every copy failed
-verification is replaced: its manifests are deleted from every tier first (journaled
-``damaged_step_replaced``; gc collects its chunks), so a run that fell back to an older step
-can save that step number again when it gets there.
+verification (or, under peer replication, because no node can assemble it any more: published
+in the node tiers, its node lost before it was replicated) is replaced: its manifests are
+deleted from every tier first (journaled ``damaged_step_replaced``; gc collects its chunks), so
+a run that fell back to an older step can save that step number again when it gets there.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def refuse_existing(
     found = holding(tiers, step)
     if found and step in damaged:
         for t in found:
-            t.store.delete_step(step)
+            try:
+                t.store.delete_step(step)
+            except FileNotFoundError:  # another rank deleted it from a tier they share
+                pass
         damaged.discard(step)
         journal.append("damaged_step_replaced", step=step, tiers=[t.name for t in found])
         return

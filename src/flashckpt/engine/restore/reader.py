@@ -21,7 +21,10 @@ Each chunk is read and verified once, however many tensors it hold (a use count 
 its last use). A target shard covering a different box than a saved shard (resharding) reads
 only the byte span of the saved shard that contains the overlap (a view of the chunk when the
 span lies in one chunk), then copies the box. Targets that are not host tensors
-(``engine.device``: CUDA) always take that copy path, from verified host bytes.
+(``engine.device``: CUDA) always take that copy path, from verified host bytes, on the stream
+that was current for the target's device on the thread that called restore (the user's
+stream), so the copies land after the work the user queued there and before the work they
+queue next; the reader threads' own default streams are never used.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class _Task:
     target: Target
     shard: Shard
     dest: torch.Tensor  # typed, CPU or device, of target.shape
+    stream: Any = None  # a device target: the caller's current stream of its device
 
 
 def read_plan(
@@ -137,13 +141,22 @@ def read_plan(
     cache = _ChunkCache(store, manifest.step)
     jobs: list[Callable[[], None]] = []
     loaded: dict[str, Any] = {}
+    ops = device.current()
+    streams: dict[str, Any] = {}  # device -> this (the caller's) thread's current stream
     for key, target in plan.targets.items():
         dest, value = _destination(target)
         loaded[key] = value
+        where = ops.device_of(dest)
+        stream = None
+        if where != "cpu":
+            stream = streams.get(where)
+            if stream is None:
+                stream = streams[where] = ops.current_stream(where)
         for shard in target.entry.shards:
             if _overlap(shard, target) is None:
                 continue
-            jobs += _jobs_for(_Task(target=target, shard=shard, dest=dest), manifest, cache)
+            task = _Task(target=target, shard=shard, dest=dest, stream=stream)
+            jobs += _jobs_for(task, manifest, cache)
     cache.verify_mapped(workers)
     if before_write is not None:
         before_write()
@@ -247,7 +260,13 @@ def _copy_box(task: _Task, manifest: Manifest, cache: _ChunkCache) -> None:
         return
     src = span.view(dtype).as_strided(size, strides)
     box = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo, t.offset, size))
-    task.dest[box].copy_(src)
+    if task.stream is None:
+        task.dest[box].copy_(src)
+        return
+    ops = device.current()
+    with ops.use(task.stream):  # ordered with the user's work on their stream
+        task.dest[box].copy_(src)
+    ops.synchronize(task.stream)  # ``src`` may be dropped once this returns
 
 
 def _read_span(

@@ -101,6 +101,7 @@ class FakeStream:
             except BaseException as exc:  # a device error: surfaces at the next sync
                 fut.set_exception(exc)
                 self.fake.errors.append(exc)
+            del job, fn, fut  # (a finished copy holds no tensor: pinned accounting)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -357,14 +358,14 @@ class FakeDevice:
                 self.largest_pin_bytes = max(self.largest_pin_bytes, size)
         raw = self._real_empty(nbytes + PAGE, dtype=torch.uint8)
         skip = -raw.data_ptr() % PAGE
-        out = raw[skip : skip + nbytes]  # (a view: keeps ``raw`` alive through ._base)
-        key = id(raw)
+        out = raw[skip : skip + nbytes]
+        storage = raw.untyped_storage()  # lives while any view (or numpy array) of it does
+        key, ptr = id(storage), storage.data_ptr()
         with self._lock:
             self._pinned_live[key] = size
-            self._pinned_ptrs.add(raw.untyped_storage().data_ptr())
+            self._pinned_ptrs.add(ptr)
             self.pinned_peak_bytes = max(self.pinned_peak_bytes, self.pinned_bytes)
-        ptr = raw.untyped_storage().data_ptr()
-        weakref.finalize(raw, self._unpin, key, ptr)
+        weakref.finalize(storage, self._unpin, key, ptr)
         return out
 
     def _unpin(self, key: int, ptr: int) -> None:

@@ -3,8 +3,9 @@ copies and kernels complete later on a worker per fake stream, events complete o
 work recorded before them, tensors live on one of several fake devices, and the current device
 (0) differs from the state's. Every test here failed on the code before the fix.
 
-(Defect 4, the warm-up's pinning, is test_staging.py::test_warmup_pins_only_where_a_cuda_context_exists;
-defect 8, the allocator settings, is tests/memory/test_allocator_settings.py.)"""
+(Defect 4, the warm-up's pinning, is
+test_staging.py::test_warmup_pins_only_where_a_cuda_context_exists; defect 8, the allocator
+settings, is tests/memory/test_allocator_settings.py.)"""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_frozen_base_is_not_cloned_on_the_device_and_is_still_guarded(tmp_path, 
         h = ck.save(2, state)
         with torch.no_grad():
             state["model"].base.weight.mul_(2.0)  # not a step: the guard must see it
-        with pytest.raises(flashckpt.SaveError, match="base.weight"):
+        with pytest.raises(flashckpt.SaveError, match=r"base\.weight"):
             h.wait()
         ck.save(3, state).wait()
     assert clones == []
@@ -166,12 +167,12 @@ class _PeakAlloc(TorchDispatchMode):
             if isinstance(a, torch.Tensor)
         }
         for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and o._base is None:
-                if o.untyped_storage().data_ptr() not in ins:
-                    n = o.untyped_storage().nbytes()
-                    self.now += n
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(o, self._free, n)
+            fresh = isinstance(o, torch.Tensor) and o._base is None
+            if fresh and o.untyped_storage().data_ptr() not in ins:
+                n = o.untyped_storage().nbytes()
+                self.now += n
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(o, self._free, n)
         return out
 
 
@@ -257,7 +258,9 @@ def test_capturable_optimizer_is_copied_at_save_not_overlapped(tmp_path, fake):
 
 
 # -- 9. a staging range is not released while a copy into it may be in flight -------------------
-def test_staging_range_is_not_released_while_a_copy_into_it_is_in_flight(tmp_path, fake, monkeypatch):
+def test_staging_range_is_not_released_while_a_copy_into_it_is_in_flight(
+    tmp_path, fake, monkeypatch
+):
     """Defect 9: when a copy of a chunk failed, its range went back to the pool while the
     chunk's earlier non_blocking copies were still landing in it."""
     small = {f"t{i}": _on(fake, "cuda:1", n=256, seed=i) for i in range(4)}  # one packed chunk

@@ -166,7 +166,7 @@ class _DataProperty:
     def __init__(self) -> None:
         self._guards: list[_DataAliases] = []
         self._lock = threading.Lock()
-        self._base = torch._C.TensorBase.data
+        self._base: Any = torch._C.TensorBase.__dict__["data"]  # the built-in descriptor
 
     def watch(self, aliases: _DataAliases) -> None:
         with self._lock:

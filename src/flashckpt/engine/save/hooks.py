@@ -11,9 +11,9 @@ A protected tensor that changes anyway before staging finished (parameters updat
 make a checkpoint that mixes two states. :class:`MutationGuard` notes each protected tensor's
 version counter at ``save()`` and fails the save, naming the tensor, when one moved.
 
-Parameters of every module in the state count as protected, frozen ones included (a LoRA base
-is never copied at ``save()``: it does not change, and the guard watches it like the rest),
-and so does a tensor the capture already copied (a ``channels_last`` weight made contiguous).
+Frozen parameters of the modules in the state count as protected too (a LoRA base is never
+copied at ``save()``: it does not change, and the guard watches it like the rest), and a tensor
+the capture copied already (a ``channels_last`` weight made contiguous) is not copied again.
 
 What the guard cannot see, and how it is handled:
 
@@ -68,10 +68,16 @@ def protected_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
 
 
 def module_pointers(state: Mapping[str, Any]) -> set[int]:
-    """Storage pointers of every parameter of the modules in ``state`` (frozen ones too: only
-    ``optimizer.step()`` changes a parameter, and a frozen one never changes)."""
+    """Storage pointers of the frozen parameters (``requires_grad=False``) of the modules in
+    ``state``: no ``step()`` changes them, so they are protected like the optimizer's (a
+    trainable parameter outside every optimizer of the state may be stepped by another one,
+    and is still copied at ``save()``)."""
     return {
-        _ptr(p) for v in state.values() if isinstance(v, torch.nn.Module) for p in v.parameters()
+        _ptr(p)
+        for v in state.values()
+        if isinstance(v, torch.nn.Module)
+        for p in v.parameters()
+        if not p.requires_grad
     }
 
 

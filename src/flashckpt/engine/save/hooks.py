@@ -155,9 +155,13 @@ class _DataAliases:
         self.taken: list[tuple[str, torch.Tensor, int]] = []
 
     def saw(self, alias: torch.Tensor) -> None:
-        if alias.device.type == "meta" or not alias.numel():
+        try:
+            if alias.device.type == "meta" or not alias.numel():
+                return
+            ptr = _storage(alias)
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass has no storage
             return
-        key = self.keys.get(_storage(alias))
+        key = self.keys.get(ptr)
         if key is not None:
             self.taken.append((key, alias, alias._version))
 

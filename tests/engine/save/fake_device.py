@@ -15,7 +15,10 @@ What it models (the CUDA semantics the device paths depend on):
   stream otherwise. The N-th such copy can be made to raise (``fail_copy_at``).
 * **Events** complete only when the work recorded before them on their stream has.
 * **Contexts**: the set of devices anything was done on (events, streams, copies, pins).
-* **Per-stream allocator**: streams created per device.
+* **Per-stream allocator**: streams created per device, and per stream the peak bytes that
+  device work run on it (:meth:`run`: fingerprints) held in fresh allocations at once
+  (``FakeStream.peak_alloc_bytes``, measured by :class:`PeakAlloc`), which is what the caching
+  allocator keeps cached for that stream afterwards.
 * **Pinned memory**: ``torch.empty(pin_memory=True)`` and :meth:`pin` are accounted as torch's
   caching host allocator does (each block a power of two; a freed block stays cached, and is
   reused, until :meth:`empty_host_cache`), with the peak and the largest single pin.
@@ -34,8 +37,38 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 PAGE = 4096
+
+
+class PeakAlloc(TorchDispatchMode):
+    """Peak bytes of tensors allocated (not views, not in-place results) and alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        ins = {
+            a.untyped_storage().data_ptr()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, torch.Tensor)
+        }
+        for o in tree_flatten(out)[0]:
+            fresh = isinstance(o, torch.Tensor) and o._base is None
+            if fresh and o.untyped_storage().data_ptr() not in ins:
+                n = o.untyped_storage().nbytes()
+                self.now += n
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(o, self._free, n)
+        return out
 
 
 def _index(device: Any) -> int | None:
@@ -69,14 +102,18 @@ class FakeStream:
         self._q: queue.Queue[tuple[Callable[[], Any], float, Future[Any]] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
+        self.peak_alloc_bytes = 0  # see PeakAlloc: what this stream's allocator pool keeps
         self._thread = threading.Thread(target=self._work, name=f"fake-{name}", daemon=True)
         self._thread.start()
 
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
 
-    def enqueue(self, fn: Callable[[], Any], delay_s: float = 0.0) -> Future[Any]:
+    def enqueue(
+        self, fn: Callable[[], Any], delay_s: float = 0.0, *, measure: bool = False
+    ) -> Future[Any]:
         fut: Future[Any] = Future()
+        fut.measured = measure  # type: ignore[attr-defined]
         with self._cond:
             self._pending += 1
         self._q.put((fn, delay_s, fut))
@@ -97,7 +134,13 @@ class FakeStream:
             if delay_s:
                 time.sleep(delay_s)
             try:
-                fut.set_result(fn())
+                if getattr(fut, "measured", False):
+                    with PeakAlloc() as peak:
+                        result = fn()
+                    self.peak_alloc_bytes = max(self.peak_alloc_bytes, peak.peak)
+                    fut.set_result(result)
+                else:
+                    fut.set_result(fn())
             except BaseException as exc:  # a device error: surfaces at the next sync
                 fut.set_exception(exc)
                 self.fake.errors.append(exc)
@@ -320,7 +363,7 @@ class FakeDevice:
             self._local.streams = restored
 
     def run(self, stream: FakeStream, fn: Callable[[], Any]) -> Any:
-        return stream.enqueue(fn).result()
+        return stream.enqueue(fn, measure=True).result()
 
     def synchronize(self, stream: FakeStream) -> None:
         stream.synchronize()

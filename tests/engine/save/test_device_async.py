@@ -9,14 +9,11 @@ settings, is tests/memory/test_allocator_settings.py.)"""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 
 import pytest
 import torch
-from fake_device import FakeDevice
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from fake_device import FakeDevice, PeakAlloc
 
 import flashckpt
 from flashckpt.engine.save import fingerprint as fingerprints
@@ -137,43 +134,19 @@ def test_channels_last_weight_is_not_copied_twice():
 
 
 # -- 3. one side stream per device; fingerprints in bounded windows -----------------------------
-def test_side_stream_is_made_once_per_device_not_per_save(tmp_path, fake):
+def test_side_stream_is_made_once_per_device_not_per_save(tmp_path, fake, monkeypatch):
     """Defect 3: a new side stream every save (the caching allocator keeps memory per
-    stream: cached device memory spread over one stream per save)."""
-    w = {"w": _on(fake, "cuda:1")}
-    with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK) as ck:
+    stream: cached device memory spread over one stream per save), each holding the
+    fingerprint temporaries of about 4-5 chunks."""
+    monkeypatch.setattr(fingerprints, "WINDOW_BYTES", 16 << 10)
+    w = {"w": _on(fake, "cuda:1", n=4 * N)}  # 1 MiB chunks
+    with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
         for step in range(1, 5):
             w["w"][:10] += 1.0
             ck.save(step, {"p": w})
     assert fake.streams_created == {1: 1}
-
-
-class _PeakAlloc(TorchDispatchMode):
-    """Peak bytes of tensors allocated (not views, not in-place results) and still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0
-        self.peak = 0
-
-    def _free(self, n: int) -> None:
-        self.now -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = {
-            a.untyped_storage().data_ptr()
-            for a in tree_flatten((args, kwargs))[0]
-            if isinstance(a, torch.Tensor)
-        }
-        for o in tree_flatten(out)[0]:
-            fresh = isinstance(o, torch.Tensor) and o._base is None
-            if fresh and o.untyped_storage().data_ptr() not in ins:
-                n = o.untyped_storage().nbytes()
-                self.now += n
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(o, self._free, n)
-        return out
+    held = [s.peak_alloc_bytes for s in fake.streams]
+    assert 0 < max(held) <= 8 * (16 << 10), f"{held} bytes cached per side stream (1 MiB chunks)"
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
@@ -187,7 +160,7 @@ def test_fingerprint_temporaries_are_bounded_by_a_window(monkeypatch, pieces):
     whole = torch.cat(parts)
     fp = Fingerprinter(seeds=(3, 5))
     expect = fp.of_parts([whole])
-    with _PeakAlloc() as peak:
+    with PeakAlloc() as peak:
         got = fp.of_parts(parts)
     assert got == expect, "windows and pieces change nothing"
     assert peak.peak <= 8 * (64 << 10), f"{peak.peak} bytes of temporaries for a 2 MiB chunk"

@@ -1,71 +1,30 @@
 """The device-staging path (side stream, event, device fingerprints, copies into the pool) run
-on CPU through a stand-in for the CUDA calls (flashckpt.engine.device.OPS), so its logic is
-tested without a GPU. Every CPU tensor is treated as a device tensor."""
+on CPU through the asynchronous stand-in for the CUDA calls (fake_device.py, installed as
+flashckpt.engine.device.OPS), so its logic is tested without a GPU. Every CPU tensor is treated
+as a cuda:0 tensor here."""
 
 from __future__ import annotations
 
 import errno
-from contextlib import contextmanager
+from collections.abc import Iterator
 
 import pytest
 import torch
+from fake_device import FakeDevice
 
 import flashckpt
-from flashckpt.engine import device
 from flashckpt.engine.save.staging import StagingPool
 from flashckpt.store.store import CheckpointStore
 
 CHUNK = "64KiB"
 
 
-class FakeStream:
-    def __init__(self, calls: list) -> None:
-        self.calls = calls
-
-    def wait_event(self, event: object) -> None:
-        self.calls.append(("wait_event", event))
-
-    def synchronize(self) -> None:
-        self.calls.append(("synchronize", self))
-
-
-class FakeCuda:
-    """Stand-in for torch.cuda: records the calls; CPU tensors count as device tensors."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        self.current: FakeStream | None = None
-
-    def device_of(self, t: torch.Tensor) -> str:
-        return "cuda:0"
-
-    def available(self) -> bool:
-        return False  # no pinned memory on this host
-
-    def event(self) -> object:
-        ev = object()
-        self.calls.append(("event", ev))
-        return ev
-
-    def stream(self, dev: object) -> FakeStream:
-        s = FakeStream(self.calls)
-        self.calls.append(("stream", s))
-        return s
-
-    @contextmanager
-    def use(self, stream: FakeStream):
-        prev, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = prev
-
-
 @pytest.fixture
-def cuda(monkeypatch) -> FakeCuda:
-    fake = FakeCuda()
-    monkeypatch.setattr(device, "OPS", fake)
-    return fake
+def cuda(monkeypatch) -> Iterator[FakeDevice]:
+    """Every CPU tensor counts as a cuda:0 tensor (no pinned memory on this host)."""
+    fake = FakeDevice(delay_s=0.0, default_device="cuda:0", pinnable=False).install(monkeypatch)
+    yield fake
+    fake.close()
 
 
 @pytest.fixture
@@ -95,14 +54,15 @@ def _restored(root, step) -> dict:
 
 def test_device_path_uses_a_side_stream_after_the_training_event(tmp_path, cuda, staged):
     w = _weights()
+    cuda.launch(lambda: w["w"].add_(1.0), "cuda:0", delay_s=0.2)  # the step, still queued
+    expect = {k: v.clone() for k, v in w.items()}
+    expect["w"] += 1.0
     with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK) as ck:
         ck.save(1, {"p": w})
-    kinds = [c[0] for c in cuda.calls]
-    assert kinds[:3] == ["event", "stream", "wait_event"]
-    assert cuda.calls[2][1] is cuda.calls[0][1]  # the side stream waits for save()'s event
-    assert kinds.count("synchronize") == staged["n"] == 5  # four w chunks + one b pack
+    assert cuda.streams_created == {0: 1}  # one side stream, on the tensors' device
+    assert staged["n"] == 5  # four w chunks + one b pack
     got = _restored(tmp_path, 1)
-    assert torch.equal(got["w"], w["w"]) and torch.equal(got["b"], w["b"])
+    assert torch.equal(got["w"], expect["w"]) and torch.equal(got["b"], expect["b"])
 
 
 def test_unchanged_chunks_are_not_copied_and_a_flipped_bit_is(tmp_path, cuda, staged):

@@ -342,45 +342,39 @@ def test_pool_warm_does_nothing_while_chunks_are_staged():
     assert bool((pool.view(start, MiB) == 7).all()), "warm() wrote into a staged range"
 
 
-def test_warmup_pins_when_cuda_is_usable_and_the_device_save_stages_into_it(tmp_path, monkeypatch):
-    """With CUDA usable (a CPU stand-in here: every tensor counts as a device tensor) a
-    synchronous Checkpointer warms the arena too, asking for pinned memory (on this host the
-    pin fails and the arena falls back to pageable, touched), and the device-path first save
-    stages into that arena."""
-    from test_device_standin import FakeCuda
-
-    from flashckpt.engine import device
-
-    class PinningCuda(FakeCuda):
-        def available(self) -> bool:
-            return True
+@pytest.mark.parametrize("context", [True, False])
+def test_warmup_pins_only_where_a_cuda_context_exists(tmp_path, monkeypatch, context):
+    """With CUDA usable (the asynchronous stand-in: every tensor counts as a cuda:1 tensor) a
+    synchronous Checkpointer warms a pinned arena when the process has a CUDA context already,
+    and the device-path first save stages into that arena. Without a context the warm-up pins
+    nothing (it would make a context on GPU 0 in every rank); the first save pins, under the
+    state's device (issue 29, defect 4)."""
+    from fake_device import FakeDevice
 
     state = _big_state()
     _seed_checkpoint(tmp_path, state)
-    fake = PinningCuda()
-    monkeypatch.setattr(device, "OPS", fake)
-    asked: list[bool] = []
-    from flashckpt.engine.save import staging
-
-    real = staging._alloc
-
-    def spy(nbytes, pin):
-        asked.append(pin)
-        return real(nbytes, pin)
-
-    monkeypatch.setattr(staging, "_alloc", spy)
-    with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
-        _wait_warm(ck)
-        assert asked == [True] and ck._pool.capacity_bytes >= 6 * MiB
-        assert ck._pool.pinned == torch.cuda.is_available()
-        assert ck._pool.pinned or ck._pool.touched_bytes == ck._pool.capacity_bytes
-        first = ck._pool.view(0, 1).data_ptr()
-        with torch.no_grad():
-            for v in state.values():
-                v.sub_(2)
-        ck.save(2, state)
-        assert ck._pool.view(0, 1).data_ptr() == first and asked == [True]
-    assert any(c[0] == "stream" for c in fake.calls), "the save took the device path"
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    assert flashckpt.restore(tmp_path, out) == 2
-    assert all(torch.equal(out[k], state[k]) for k in state)
+    fake = FakeDevice(delay_s=0.0, default_device="cuda:1").install(monkeypatch)
+    if context:
+        fake.on(torch.zeros(1), "cuda:1")  # the model is on its device: a context on 1
+    try:
+        with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
+            _wait_warm(ck)
+            assert fake.contexts == ({1} if context else set()), "the warm-up made a context"
+            assert len(fake.pin_threads) == int(context)
+            if context:
+                assert ck._pool.pinned and ck._pool.capacity_bytes >= 6 * MiB
+                first = ck._pool.view(0, 1).data_ptr()
+            with torch.no_grad():
+                for v in state.values():
+                    v.sub_(2)
+            ck.save(2, state)
+            assert ck._pool.pinned and len(fake.pin_threads) == 1, "pinned once"
+            if context:
+                assert ck._pool.view(0, 1).data_ptr() == first
+            assert fake.contexts == {1}, "a context on a device the state is not on"
+        assert fake.streams_created == {1: 1}, "the save took the device path"
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert flashckpt.restore(tmp_path, out) == 2
+        assert all(torch.equal(out[k], state[k]) for k in state)
+    finally:
+        fake.close()

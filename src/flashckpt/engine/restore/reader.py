@@ -21,7 +21,10 @@ Each chunk is read and verified once, however many tensors it hold (a use count 
 its last use). A target shard covering a different box than a saved shard (resharding) reads
 only the byte span of the saved shard that contains the overlap (a view of the chunk when the
 span lies in one chunk), then copies the box. Targets that are not host tensors
-(``engine.device``: CUDA) always take that copy path, from verified host bytes.
+(``engine.device``: CUDA) always take that copy path, from verified host bytes, on the stream
+that was current for the target's device on the thread that called restore (the user's
+stream), so the copies land after the work the user queued there and before the work they
+queue next; the reader threads' own default streams are never used.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class _Task:
     target: Target
     shard: Shard
     dest: torch.Tensor  # typed, CPU or device, of target.shape
+    stream: Any = None  # a device target: the caller's current stream of its device
 
 
 def read_plan(
@@ -145,12 +149,19 @@ def read_plan(
     direct: list[tuple[ChunkRef, np.ndarray, str]] = []
     boxes: list[_Task] = []
     loaded: dict[str, Any] = {}
-    host = device.current().device_of
+    ops = device.current()
+    streams: dict[str, Any] = {}  # device -> this (the caller's) thread's current stream
     for key, target in plan.targets.items():
         dest, value = _destination(target)
         loaded[key] = value
         entry = target.entry
-        dest_bytes = _byte_view(dest, host)
+        where = ops.device_of(dest)
+        stream = None
+        if where != "cpu":
+            stream = streams.get(where)
+            if stream is None:
+                stream = streams[where] = ops.current_stream(where)
+        dest_bytes = _byte_view(dest) if where == "cpu" else None
         dtype_ok = entry.kind == "numpy" or dest.dtype == torch_dtype(entry.dtype)
         for shard in entry.shards:
             same_box = shard.offset == target.offset and shard.shape == target.shape
@@ -159,7 +170,7 @@ def read_plan(
             if not (same_box and dest_bytes is not None and dtype_ok):
                 for ext in shard.extents:
                     cache.expect(manifest.chunks[ext.chunk], key)
-                boxes.append(_Task(target=target, shard=shard, dest=dest))
+                boxes.append(_Task(target=target, shard=shard, dest=dest, stream=stream))
                 continue
             pos = 0
             for ext in shard.extents:
@@ -218,11 +229,11 @@ def _destination(target: Target) -> tuple[torch.Tensor, Any]:
     return t, t
 
 
-def _byte_view(t: torch.Tensor, device_of: Callable[[torch.Tensor], str]) -> np.ndarray | None:
+def _byte_view(t: torch.Tensor) -> np.ndarray | None:
     """Flat uint8 NumPy view of a contiguous host tensor, else None. NumPy slices and views
     cost a tenth of torch's (2-3 us each: most of a small tensor's restore); torch views
     only for the dtypes NumPy lacks (bfloat16, float8)."""
-    if device_of(t) != "cpu" or not t.is_contiguous():
+    if not t.is_contiguous():
         return None
     if t.dtype in _NUMPY_DTYPES:
         return t.numpy().reshape(-1).view(np.uint8)
@@ -265,7 +276,13 @@ def _copy_box(task: _Task, manifest: Manifest, cache: _ChunkCache) -> None:
         return
     src = span.view(dtype).as_strided(size, strides)
     box = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo, t.offset, size))
-    task.dest[box].copy_(src)
+    if task.stream is None:
+        task.dest[box].copy_(src)
+        return
+    ops = device.current()
+    with ops.use(task.stream):  # ordered with the user's work on their stream
+        task.dest[box].copy_(src)
+    ops.synchronize(task.stream)  # ``src`` may be dropped once this returns
 
 
 def _read_span(

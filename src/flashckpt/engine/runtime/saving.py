@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from flashckpt.engine import device as devices
 from flashckpt.engine.options import Options
 from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.engine.runtime.priority import ThreadPriority
-from flashckpt.engine.save.context import build_context
+from flashckpt.engine.save.context import SideStreams, build_context, wait_for_host_copies
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.save.hooks import (
@@ -32,6 +33,8 @@ from flashckpt.engine.save.hooks import (
     StepGate,
     copy_unprotected,
     find_optimizers,
+    module_pointers,
+    overlap_safe,
     protected_pointers,
 )
 from flashckpt.engine.save.job import SaveJob
@@ -90,6 +93,7 @@ class SavePath:
         # device fingerprints of committed saves only (a SaveJob publishes its own on commit)
         self.fingerprints: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
         self.fingerprinter = Fingerprinter() if o.incremental else None
+        self.streams = SideStreams()  # one side stream per device, for every save
         # which CPU chunks changed at the last direct save (engine/save/job.py _stage_direct)
         self.hints: dict[tuple[Any, ...], bool] = {}
         # what each async save costs the loop, and whether the next runs in the background
@@ -133,16 +137,23 @@ class SavePath:
         captured = capture(state)
         if self.dist is not None:  # keep what this rank writes; per-rank keys renamed
             self.dist.split(captured, state)
+        wait_for_host_copies(captured, devices.current())  # D2H copies into pinned tensors
         optimizers = find_optimizers(state) if self.options.async_save else []
-        overlap = bool(optimizers) and self.options.overlap
+        overlap = bool(optimizers) and self.options.overlap and overlap_safe(optimizers)
         if overlap:
-            copy_unprotected(captured, protected_pointers(optimizers))
+            copy_unprotected(captured, protected_pointers(optimizers) | module_pointers(state))
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
         self.meter.saved(step, time.time())
         mode = self.governor.started(step) if self.options.async_save else None
         if mode is not None:  # the loop waits for a foreground save: its threads at full speed
             self.priority.set("foreground" if mode == FOREGROUND else "background")
-        job = self._job(handle, captured, MutationGuard(captured) if overlap else None)
+        guard = MutationGuard(captured) if overlap else None
+        try:
+            job = self._job(handle, captured, guard)
+        except BaseException:
+            if guard is not None:
+                guard.close()  # (stops watching .data)
+            raise
         self.journal.append("save_start", step=step)
         if self.options.async_save:
             self._run_async(job, handle, wait_staged=not overlap)
@@ -178,6 +189,7 @@ class SavePath:
             world_size=self.world_size,
             direct=tier.name == "memory",  # the staged copy is the memory tier's copy
             hints=self.hints,
+            streams=self.streams,
         )
         common: dict[str, Any] = dict(
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard

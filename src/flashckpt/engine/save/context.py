@@ -1,7 +1,16 @@
-"""What one save borrows from its Checkpointer, and how the state is laid out for it."""
+"""What one save borrows from its Checkpointer, and how the state is laid out for it.
+
+Device ordering (engine/device.py): at ``save()`` one event is recorded per device the state
+lives on, on that device's current stream (never the current device's: a rank that moved its
+model to ``cuda:N`` without ``set_device`` queues its step on N). The save stages each device's
+chunks on that device's own side stream, which waits for that device's event; the side streams
+are made once per Checkpointer (:class:`SideStreams`), since the caching allocator keeps memory
+per stream.
+"""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +41,50 @@ class SaveContext:
     library: str
     rank: int = 0
     world_size: int = 1
-    cuda_event: Any = None  # recorded on the training stream at save()
+    # device -> event recorded on that device's current stream at save()
+    events: dict[str, Any] = field(default_factory=dict)
     device: DeviceOps = field(default_factory=devices.current)
+    streams: SideStreams = field(default_factory=lambda: SideStreams())
     # CPU chunks are staged straight into the tier's chunk files (a memory tier: the staged
     # copy is the tier's copy; engine/save/job.py SaveJob._stage_direct)
     direct: bool = False
     # region of a chunk -> whether it changed at the last save (copy first when it did)
     hints: dict[tuple[Any, ...], bool] = field(default_factory=dict)
+
+
+class SideStreams:
+    """One side stream per device for the life of a Checkpointer (made under that device)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, ops: DeviceOps, device: str) -> Any:
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = ops.stream(device)
+            return s
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+
+def wait_for_host_copies(captured: Captured, ops: DeviceOps) -> None:
+    """Pinned CPU tensors of the state may still be filled by a ``non_blocking`` device-to-host
+    copy queued before ``save()``: before any of their bytes is read, wait (on this thread) for
+    the work queued so far on the current stream of every device this process has a context
+    on. Nothing to wait for without a context (no copy can be in flight), and
+    ``is_pinned`` is not asked then (it would create one)."""
+    if not ops.has_context():
+        return
+    if not any(
+        i.kind == "torch" and ops.device_of(i.data) == "cpu" and ops.is_pinned(i.data)
+        for i in captured.items
+    ):
+        return
+    for dev in ops.active_devices():
+        ops.host_wait(ops.event(dev))
 
 
 def build_context(
@@ -54,6 +100,7 @@ def build_context(
     world_size: int,
     direct: bool = False,
     hints: dict[tuple[Any, ...], bool] | None = None,
+    streams: SideStreams | None = None,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
@@ -71,14 +118,16 @@ def build_context(
         itemsizes=[itemsize(i.kind, i.dtype) for i in captured.items],
         device_of=ops.device_of,
     )
-    on_device = any(c.device != "cpu" for c in chunks)
+    on = list(dict.fromkeys(c.device for c in chunks if c.device != "cpu"))  # state's devices
+    on_device = bool(on)
     direct = direct and o.async_save and o.compression is None and store.stage_chunk_supported
     use_pool = (o.async_save and not direct) or on_device
     if use_pool:
         needed = sum(aligned(c.size) for c in chunks if not (direct and c.device == "cpu"))
-        pool.reserve(needed_bytes=needed, pin=on_device and ops.available())
-    # staging on a side stream must wait for work queued before save()
-    event = ops.event() if on_device else None
+        pin = on_device and ops.available()
+        pool.reserve(needed_bytes=needed, pin=pin, device=on[0] if on else None)
+    # each device's side stream waits for the work queued on that device before save()
+    events = {dev: ops.event(dev) for dev in on}
     ctx = SaveContext(
         store=store,
         pool=pool if use_pool else None,
@@ -90,8 +139,9 @@ def build_context(
         library=__version__,
         rank=rank,
         world_size=world_size,
-        cuda_event=event,
+        events=events,
         device=ops,
+        streams=streams if streams is not None else SideStreams(),
         direct=direct,
         hints=hints if hints is not None else {},
     )

@@ -42,6 +42,12 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+WINDOW_BYTES = 4 << 20
+"""Bytes fingerprinted per step: the temporaries (a few int64 words per 8 bytes of data) are
+bounded by a few windows, not a few chunks, on the side stream's share of the caching
+allocator (which keeps freed blocks per stream)."""
+
+
 class Fingerprinter:
     """Computes 128-bit fingerprints of byte tensors on their own device."""
 
@@ -52,15 +58,66 @@ class Fingerprinter:
 
     def __call__(self, data: torch.Tensor) -> tuple[int, int]:
         """Fingerprint of a flat uint8 tensor (any device)."""
-        n = data.numel()
-        pad = (-n) % 8
-        if pad or data.storage_offset() % 8 or not data.is_contiguous():
-            # cat copies into a fresh (aligned) tensor: a view of a tensor that starts at a byte
-            # offset not divisible by 8 cannot be reinterpreted as int64 words in place
-            data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
-        words = data.view(torch.int64)
-        pos = torch.arange(words.numel(), dtype=torch.int64, device=data.device) * _K
-        lanes = []
-        for seed in self.seeds:
-            lanes.append(int(_mix(words + pos + seed).sum(dtype=torch.int64).item()))
+        return self.of_parts([data])
+
+    def of_parts(self, parts: list[torch.Tensor]) -> tuple[int, int]:
+        """Fingerprint of the concatenation of flat uint8 tensors (all on one device), taken
+        window by window: each window is a view of the data in place when it lies in one
+        part at a word boundary, else its bytes are gathered into one window buffer (never
+        a copy of the whole chunk). Equal to the fingerprint of the concatenated bytes."""
+        n = sum(p.numel() for p in parts)
+        dev = parts[0].device if parts else torch.device("cpu")
+        acc = [torch.zeros((), dtype=torch.int64, device=dev) for _ in self.seeds]
+        window = max(8, WINDOW_BYTES - WINDOW_BYTES % 8)
+        scratch: torch.Tensor | None = None
+        for lo in range(0, n, window):
+            hi = min(n, lo + window)
+            words = _in_place(parts, lo, hi)
+            if words is None:
+                if scratch is None:
+                    scratch = torch.empty(window, dtype=torch.uint8, device=dev)
+                words = _gather(parts, lo, hi, scratch)
+            for lane, seed in zip(acc, self.seeds):
+                z = torch.arange(lo // 8, lo // 8 + words.numel(), dtype=torch.int64, device=dev)
+                z.mul_(_K).add_(words).add_(seed)
+                lane.add_(_mix_(z).sum(dtype=torch.int64))
+        lanes = [int(a.item()) for a in acc]
         return (lanes[0] ^ (n << 1), lanes[1])
+
+
+def _in_place(parts: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor | None:
+    """Bytes ``lo:hi`` as int64 words viewing the data itself, or None when they cannot."""
+    pos = 0
+    for p in parts:
+        if lo >= pos and hi <= pos + p.numel():
+            piece = p[lo - pos : hi - pos]
+            aligned = (hi - lo) % 8 == 0 and piece.storage_offset() % 8 == 0
+            if aligned and piece.is_contiguous():
+                return piece.view(torch.int64)
+            return None
+        pos += p.numel()
+    return None
+
+
+def _gather(parts: list[torch.Tensor], lo: int, hi: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Bytes ``lo:hi`` copied into ``scratch``, zero-padded to whole words."""
+    size = hi - lo + (-(hi - lo)) % 8
+    out = scratch[:size]
+    out.zero_()
+    pos, at = 0, 0
+    for p in parts:
+        a, b = max(lo, pos), min(hi, pos + p.numel())
+        if a < b:
+            out[at : at + b - a].copy_(p[a - pos : b - pos])
+            at += b - a
+        pos += p.numel()
+    return out.view(torch.int64)
+
+
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix` in place (one temporary for the shifted copy)."""
+    for shift, mul in ((30, _C1), (27, _C2), (31, None)):
+        z.bitwise_xor_(_srl(z, shift))
+        if mul is not None:
+            z.mul_(mul)
+    return z

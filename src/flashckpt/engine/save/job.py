@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flashckpt.engine.save.context import SaveContext
+from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
 from flashckpt.engine.save.hooks import MutationGuard
@@ -87,7 +88,7 @@ class SaveJob:
         self._pending: list[Future[None]] = []  # persist work handed to the workers
         self._error: BaseException | None = None  # the first failure; workers stop taking chunks
         self._error_lock = threading.Lock()
-        self._stream: Any = None
+        self._device: DeviceStager | None = None  # device chunks (engine/save/devstage.py)
         self._deferred: list[tuple[Any, ...]] = []
         # CPU chunks staged straight into a memory tier's files (engine/save/direct.py)
         self._direct: DirectStager | None = None
@@ -184,38 +185,11 @@ class SaveJob:
             raise
 
     def _stage_device(self, ci: int, chunk: ChunkPlan, parts: list[torch.Tensor]) -> None:
-        if self._stream is None:
-            self._stream = self.ctx.device.stream(parts[0].device)
-            if self.ctx.cuda_event is not None:
-                self._stream.wait_event(self.ctx.cuda_event)
-        region = tuple((self.captured.items[p.item].key, p.start, p.length) for p in chunk.pieces)
-        fp, expect = None, None
-        with self.ctx.device.use(self._stream):
-            if self.ctx.fingerprinter is not None:
-                data = parts[0] if len(parts) == 1 else torch.cat(parts)
-                fp = self.ctx.fingerprinter(data)
-                prev = self.ctx.fingerprints.get(region)
-                if prev is not None and prev[0] == fp:
-                    if self._reuse(ci, prev[1], chunk.size):
-                        return
-                    # unchanged, but the store lacks the chunk (a failed save, gc, quarantine):
-                    # it is now claimed by this save, which must write it
-                    expect = prev[1]
-            pool = self._require_pool()
-            slot = self._acquire(chunk.size)
-            try:
-                buf = pool.view(slot, chunk.size)
-                pos = 0
-                for p in parts:
-                    buf[pos : pos + p.numel()].copy_(p, non_blocking=True)
-                    pos += p.numel()
-                self._stream.synchronize()
-            except BaseException:
-                pool.release(slot)
-                raise
-        # the chunk is on the host: staged. Hashing (GIL-bound) happens in a persist worker so
-        # the optimizer hook waits only for the device-to-host copies.
-        self._submit(ci, None, chunk, [buf.numpy()], slot, (region, fp, expect))
+        if self._device is None:
+            self._device = DeviceStager(
+                self.ctx, reuse=self._reuse, acquire=self._acquire, submit=self._submit
+            )
+        self._device.stage(ci, chunk, parts, region(self.captured, chunk))
 
     def _acquire(self, nbytes: int) -> int:
         """A staging range for ``nbytes``. Staged chunks wait (deferred) until staging ends, so
@@ -356,6 +330,8 @@ class SaveJob:
         )
 
     def _fail(self, exc: BaseException) -> None:
+        if self.guard is not None:
+            self.guard.close()
         self._stop_workers(exc)
         exc = self.agree_failure(exc)
         self.cleanup_after_failure()

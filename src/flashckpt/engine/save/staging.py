@@ -8,6 +8,11 @@ admitted when nothing is in flight and a state larger than the budget flows thro
 without deadlock. Ranges start on 4096-byte boundaries so the disk tier can write them with
 O_DIRECT (store/files/directio.py). On CUDA the arena is pinned (allocated once, since
 ``cudaHostAlloc`` is slow); if pinning fails it falls back to pageable memory with a warning.
+Pinned memory stays within ``host_memory_budget``: torch's pinned allocator rounds a request up
+to a power of two (the arena takes all of it, or the largest power of two that fits), an arena
+that grows gives its old pages back to the system before it asks for the new ones, and close
+gives them back too (torch would otherwise keep freed pinned blocks cached: 2-3x the budget).
+The pinning goes through engine/device.py, under the device of the save's first device chunk.
 
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
 to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and touches it
@@ -25,6 +30,7 @@ import threading
 
 import torch
 
+from flashckpt.engine import device as devices
 from flashckpt.engine.tiers.arena import ArenaFile
 from flashckpt.store.files.directio import ALIGN, aligned
 
@@ -60,16 +66,17 @@ class StagingPool:
     def pinned(self) -> bool:
         return self._pinned
 
-    def reserve(self, *, needed_bytes: int, pin: bool) -> None:
+    def reserve(self, *, needed_bytes: int, pin: bool, device: str | None = None) -> None:
         """Size the arena for a save staging ``needed_bytes`` (the sum of :func:`aligned` chunk
         sizes), never beyond the budget and never below one chunk. Called between saves only;
-        the arena grows at most once per new high-water mark."""
+        the arena grows at most once per new high-water mark. ``device``: where a pinned
+        arena's context is (the save's first device)."""
         with self._cond:
             if self._taken:
                 raise RuntimeError("staging pool resized while chunks are staged")
-            self._reserve_locked(needed_bytes, pin)
+            self._reserve_locked(needed_bytes, pin, device)
 
-    def _reserve_locked(self, needed_bytes: int, pin: bool) -> bool:
+    def _reserve_locked(self, needed_bytes: int, pin: bool, device: str | None = None) -> bool:
         """:meth:`reserve` under the lock; True when it allocated a new arena."""
         want = min(self.budget_bytes, max(self.chunk_bytes, aligned(needed_bytes)))
         if pin:
@@ -77,26 +84,38 @@ class StagingPool:
         if want <= self.capacity_bytes and (self._pin_tried or not pin):
             return False  # (pinning is tried once: a host that refused it is not asked again)
         want = max(want, self.capacity_bytes)
-        self._arena = None
-        self._arena, self._file_backed = self._alloc(want, pin)
-        self._pinned = pin and self._arena.is_pinned()
+        self._drop_arena()  # the old pages go back first: never two arenas at once
+        self._arena, self._file_backed, self._pinned = self._alloc(want, pin, device)
         self._pin_tried = self._pin_tried or pin
         self._free = [(0, want)]
         self._touched = want if self._file_backed else 0  # a mapped file arena is resident
         return True
 
-    def _alloc(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-        """The arena and whether it is the file (allocated and mapped: resident): the file when
-        there is one and the arena is pageable, else anonymous (or pinned) memory."""
+    def _alloc(self, nbytes: int, pin: bool, device: str | None) -> tuple[torch.Tensor, bool, bool]:
+        """The arena, whether it is the file (allocated and mapped: resident) and whether it is
+        pinned: the file when there is one and the arena is pageable, else anonymous (or
+        pinned) memory."""
         if not pin and self._backing is not None:
             got = self._backing.map(nbytes)
             if got is not None:
                 self.reused_bytes = got.reused_bytes
-                return got.tensor, True
+                return got.tensor, True, False
             self._backing = None  # refused (logged): not asked again
-        return _alloc(nbytes, pin), False
+        if pin:
+            pinned = _pin(nbytes, device)
+            if pinned is not None:
+                return pinned, False, True
+        return _alloc(nbytes), False, False
 
-    def warm(self, *, needed_bytes: int, pin: bool, stop: threading.Event) -> None:
+    def _drop_arena(self) -> None:
+        """Let go of the arena; a pinned one's pages go back to the system at once."""
+        pinned, self._arena, self._pinned = self._pinned, None, False
+        if pinned:
+            devices.current().empty_host_cache()
+
+    def warm(
+        self, *, needed_bytes: int, pin: bool, stop: threading.Event, device: str | None = None
+    ) -> None:
         """:meth:`reserve` ahead of the first save, then fault every page of the arena in, so
         that save copies into resident memory. For a background thread: a save arriving
         meanwhile waits in :meth:`reserve` only for what is left of the touching (less than
@@ -105,7 +124,7 @@ class StagingPool:
         with self._cond:
             if self._taken or self._closed:
                 return
-            self._reserve_locked(needed_bytes, pin)
+            self._reserve_locked(needed_bytes, pin, device)
             if self._arena is None or self._pinned:
                 return  # a pinned arena is resident already (cudaHostAlloc locks its pages)
             flat = self._arena.numpy()
@@ -136,7 +155,7 @@ class StagingPool:
                 self._backing = None
             if self._taken:
                 return  # a chunk still staged (a worker that could not be stopped): keep it
-            self._arena = None
+            self._drop_arena()
             self._file_backed = False
             self._free = []
             self._touched = 0
@@ -197,19 +216,26 @@ class StagingPool:
         return None
 
 
-def _alloc(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` starting on a 4096-byte boundary."""
-    if pin:
-        try:
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            if raw.data_ptr() % ALIGN == 0:  # cudaHostAlloc returns whole pages
-                return raw
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-            return _aligned_slice(raw, nbytes)
-        except RuntimeError as exc:
-            log.warning(
-                "could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc
-            )
+def _pin(nbytes: int, device: str | None) -> torch.Tensor | None:
+    """``nbytes`` of pinned memory on a page boundary, or None (logged: use pageable). Never
+    asks twice: cudaHostAlloc returns whole pages, and a second, larger request to align one
+    that was not would cost the next power of two again."""
+    ops = devices.current()
+    try:
+        raw = ops.pin(nbytes, device)
+    except RuntimeError as exc:
+        log.warning("could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc)
+        return None
+    if raw.data_ptr() % ALIGN == 0:
+        return raw
+    del raw
+    ops.empty_host_cache()
+    log.warning("pinned staging memory is not page-aligned; using pageable memory")
+    return None
+
+
+def _alloc(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pageable memory starting on a 4096-byte boundary."""
     return _aligned_slice(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
 
 

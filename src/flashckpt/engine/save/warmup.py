@@ -8,7 +8,11 @@ So at construction a daemon thread, never blocking the constructor:
 1. starts the stager and every persist worker thread (executors start threads lazily);
 2. when saves stage through the pool (``async_save=True`` without a memory tier, whose files
    CPU chunks are staged into directly; or CUDA usable: device tensors always stage), reserves
-   and touches the staging arena (:meth:`StagingPool.warm`), sized like the newest checkpoint
+   and touches the staging arena (:meth:`StagingPool.warm`). With CUDA usable it is pinned only
+   when this process has a CUDA context already, and then on a device that has one (torch's
+   pinned allocator picks it): pinning needs a context, and before the model is on its device
+   the only one it could make is on GPU 0, in every rank. Without a context the first save
+   pins, under its own device. The arena is sized like the newest checkpoint
    this rank finds in its local tiers (a restart saves the same state again) and never beyond
    ``host_memory_budget``. A fresh root has no size to go by: the
    arena is then sized by the first save, as before;
@@ -95,12 +99,13 @@ class Warmup:
         try:
             for ex, n in self.executors:
                 _start_threads(ex, n, self._stop)
-            pin = self.device.available()
+            # pin only where a context exists (never make one: it would be on GPU 0)
+            pin = self.device.available() and self.device.has_context()
             arena = pin or (self.async_save and not self.direct)
             if arena and not self._stop.is_set():
                 nbytes = expected_staging_bytes(self.stores, self.rank)
                 if nbytes:
-                    self.pool.warm(needed_bytes=nbytes, pin=pin, stop=self._stop)
+                    self.pool.warm(needed_bytes=nbytes, pin=pin, stop=self._stop, device=None)
                     self.staged_bytes = self.pool.capacity_bytes
             for store in self.stores:
                 if not self._stop.is_set():

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import torch
 
 from flashckpt.errors import ConfigError
-from flashckpt.memory.allocator.prealloc import AllocatorSettings, preallocate
 from flashckpt.memory.recompute.planner import RecomputePlan
 from flashckpt.memory.units import format_bytes
 
@@ -236,14 +235,29 @@ class MemoryMonitor:
         if not self._cuda:
             return  # replayed stats: decide only
         if action.kind == "grow_reservation":
-            preallocate(
-                action.reserve_bytes,
-                margin=0.0,
-                device=self.device,
-                settings=AllocatorSettings(expandable_segments=True),
-            )
+            self._grow(action.reserve_bytes)
         elif action.kind == "shrink_reservation":
             torch.cuda.empty_cache()
+
+    def _grow(self, target_bytes: int) -> None:
+        """Reserve up to ``target_bytes``, only out of memory the device has free (less a
+        margin): growing never raises an out-of-memory error in the middle of training."""
+        have = torch.cuda.memory_reserved(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        room = max(0, free - int(total * self.policy.margin))
+        target = min(target_bytes, have + room)
+        if target <= have:
+            log.warning(
+                "memory: not growing the reservation to %s: %s free on the device",
+                format_bytes(target_bytes),
+                format_bytes(free),
+            )
+            return
+        try:  # one block, freed back to the cache, which keeps the segment (as preallocate)
+            block = torch.empty(target - have, dtype=torch.uint8, device=self.device or "cuda")
+            del block
+        except torch.cuda.OutOfMemoryError as exc:
+            log.warning("memory: growing the reservation failed, left as it is (%s)", exc)
 
     def _switch_plan(self, action: Action) -> None:
         if self.model is None or self.plan_index + 1 >= len(self.plans):

@@ -3,11 +3,25 @@
 Reserving early (one large allocation, freed back to the cache) means the run's tensors are
 carved out of one segment instead of many, so it neither fragments nor hits ``cudaMalloc``
 retries later; ``expandable_segments`` lets segments grow in place instead of stranding
-partially used blocks (PyTorch docs, "CUDA memory management"). Allocator options must be set
-before CUDA initialises (``PYTORCH_CUDA_ALLOC_CONF``); a per-process memory fraction makes
-the allocator fail early and clearly instead of starving a co-located process.
+partially used blocks (PyTorch docs, "CUDA memory management"). A per-process memory
+fraction makes the allocator fail early and clearly instead of starving a co-located process.
 
-On a machine without CUDA every call explains what it would do and changes nothing.
+How settings are applied (:func:`apply_allocator_settings`), so that each one takes effect:
+
+* the user's own ``PYTORCH_CUDA_ALLOC_CONF`` always wins: a key they set is never overwritten
+  (a differing value of ours is reported, not applied); ours are added beside theirs;
+* before CUDA initialises, the variable is set *and* the settings are handed to the allocator
+  directly (torch may have read the variable already, at import);
+* after, only the direct call can apply them, to memory allocated from then on (segments
+  reserved already keep theirs): a warning says so, and how to set them in time;
+* ``garbage_collection_threshold`` acts only under a memory fraction (the allocator reclaims
+  when usage passes the threshold *of the fraction*), so a threshold without a fraction sets a
+  fraction of 1.0;
+* the fraction is set on the device given, else on every device this process has a CUDA
+  context on (never creating one on another GPU), else on the current device.
+
+These are synchronous calls of the allocator's own API (no thread). On a machine without CUDA
+every call explains what it would do and changes nothing.
 """
 
 from __future__ import annotations
@@ -45,14 +59,39 @@ class AllocatorSettings:
         if self.max_split_size_bytes is not None and self.max_split_size_bytes < 2 * MIB:
             raise ConfigError("AllocatorSettings.max_split_size_bytes must be >= 2 MiB")
 
+    def conf_items(self) -> dict[str, str]:
+        """The ``PYTORCH_CUDA_ALLOC_CONF`` keys and values (the fraction is set by a call)."""
+        items = {"expandable_segments": str(self.expandable_segments)}
+        if self.garbage_collection_threshold is not None:
+            items["garbage_collection_threshold"] = str(self.garbage_collection_threshold)
+        if self.max_split_size_bytes is not None:
+            items["max_split_size_mb"] = str(self.max_split_size_bytes // MIB)
+        return items
+
     def conf_string(self) -> str:
         """The ``PYTORCH_CUDA_ALLOC_CONF`` value (the memory fraction is set by a call instead)."""
-        parts = [f"expandable_segments:{self.expandable_segments}"]
-        if self.garbage_collection_threshold is not None:
-            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
-        if self.max_split_size_bytes is not None:
-            parts.append(f"max_split_size_mb:{self.max_split_size_bytes // MIB}")
-        return ",".join(parts)
+        return _join(self.conf_items())
+
+    @property
+    def effective_fraction(self) -> float | None:
+        """The fraction to set: the one given, or 1.0 when only a GC threshold is (it acts
+        only under a fraction)."""
+        if self.memory_fraction is None and self.garbage_collection_threshold is not None:
+            return 1.0
+        return self.memory_fraction
+
+
+def _join(items: dict[str, str]) -> str:
+    return ",".join(f"{k}:{v}" for k, v in items.items())
+
+
+def _parse(conf: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in conf.split(","):
+        key, _, value = part.partition(":")
+        if key.strip():
+            out[key.strip()] = value.strip()
+    return out
 
 
 def recommend_allocator_settings(
@@ -96,30 +135,73 @@ def _cuda_ready(device: Any) -> bool:
     return device is None or torch.device(device).type == "cuda"
 
 
+def _fraction_devices(device: Any) -> list[Any]:
+    """Where a fraction goes: ``device``; else every device with a CUDA context (asking
+    creates none); else the current one."""
+    if device is not None:
+        return [device]
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is not None and torch.cuda.is_initialized():
+        found = [i for i in range(torch.cuda.device_count()) if has(i)]
+        if found:
+            return found
+    return [torch.cuda.current_device()]
+
+
+def _set_now(conf: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # PyTorch before the accelerator API
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(conf)
+
+
 def apply_allocator_settings(
     settings: AllocatorSettings, *, device: Any = None, dry_run: bool = False
 ) -> list[str]:
     """Apply ``settings``; returns one line per action (what was done, or would be)."""
-    conf = settings.conf_string()
+    user = _parse(os.environ.get(ALLOC_CONF_ENV, ""))
+    ours = settings.conf_items()
+    add = {k: v for k, v in ours.items() if k not in user}
+    actions = [
+        f"kept your {ALLOC_CONF_ENV} {k}:{user[k]} (not {v})"
+        for k, v in ours.items()
+        if k in user and user[k] != v
+    ]
+    conf = _join(add)
     live = _cuda_ready(device) and not dry_run
-    actions: list[str] = []
-    if not live:
-        actions.append(f"would set {ALLOC_CONF_ENV}={conf} before CUDA initialises")
+    if not conf:
+        pass
+    elif not live:
+        actions.append(
+            f"would set {ALLOC_CONF_ENV}={_join({**user, **add})} before CUDA initialises"
+        )
     elif not torch.cuda.is_initialized():
-        os.environ[ALLOC_CONF_ENV] = conf
-        actions.append(f"set {ALLOC_CONF_ENV}={conf} (CUDA not yet initialised)")
+        os.environ[ALLOC_CONF_ENV] = _join({**user, **add})  # the user's keys first, unchanged
+        _set_now(conf)  # torch may have read the variable already (at import)
+        actions.append(f"set {ALLOC_CONF_ENV}={os.environ[ALLOC_CONF_ENV]} (before CUDA init)")
     else:
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        if setter is None:  # PyTorch before the accelerator API
-            setter = torch.cuda.memory._set_allocator_settings
-        setter(conf)
-        actions.append(f"CUDA already initialised: applied {conf} to new segments")
-    if settings.memory_fraction is not None:
+        _set_now(conf)
+        msg = (
+            f"CUDA already initialised: {conf} applies only to memory allocated from now on "
+            f"(segments reserved already keep their settings); set {ALLOC_CONF_ENV} before the "
+            "first CUDA call to apply it to everything"
+        )
+        log.warning(msg)
+        actions.append(msg)
+    fraction = settings.effective_fraction
+    if fraction is not None:
+        why = (
+            " (the GC threshold acts only under a fraction)"
+            if settings.memory_fraction is None
+            else ""
+        )
         if live:
-            torch.cuda.set_per_process_memory_fraction(settings.memory_fraction, device)
-            actions.append(f"set per-process memory fraction {settings.memory_fraction}")
+            for dev in _fraction_devices(device):
+                torch.cuda.set_per_process_memory_fraction(fraction, dev)
+                name = f"cuda:{dev}" if isinstance(dev, int) else str(dev)
+                actions.append(f"set per-process memory fraction {fraction} on {name}{why}")
         else:
-            actions.append(f"would set per-process memory fraction {settings.memory_fraction}")
+            actions.append(f"would set per-process memory fraction {fraction}{why}")
     return actions
 
 

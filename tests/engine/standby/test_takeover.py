@@ -145,7 +145,7 @@ def test_takeover_after_sigkill(tmp_path: Path) -> None:
     assert r["moves_before"] == 0 and r["moves_after"] == 1
     first = [e for e in launch.events() if e["event"] == "start" and e["pid"] == killed]
     assert first and not first[0]["standby"]
-    assert [e for e in launch.events() if e["event"] == "done"][0]["pid"] == standby_pid
+    assert next(e for e in launch.events() if e["event"] == "done")["pid"] == standby_pid
     (tk,) = takeovers(tmp_path)
     assert tk["pid"] == standby_pid and tk["moved_modules"] == 1
     (rs,) = restarts(tmp_path)
@@ -219,6 +219,6 @@ def test_two_ranks_take_over_on_a_fresh_group(tmp_path: Path, victim: int) -> No
     for rank in (0, 1):
         (r,) = check_restores(launch, rank)
         assert r["pid"] == st["standby"][rank] and r["was_standby"]
-        assert [e for e in launch.events(rank) if e["event"] == "done"][0]["pid"] == r["pid"]
+        assert next(e for e in launch.events(rank) if e["event"] == "done")["pid"] == r["pid"]
     assert len(takeovers(tmp_path)) == 2  # one per rank
     assert [e["takeover"] for e in restarts(tmp_path)] == [True]  # counted once (rank 0)

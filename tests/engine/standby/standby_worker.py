@@ -7,7 +7,8 @@ Writes to ``OUT/events-<rank>.jsonl``: ``start`` (pid, standby or not), ``restor
 digest of the live state right after the restore, how often the model was moved to its device
 before and after it), ``step``. ``OUT/digests/<rank>-<step>`` holds the digest of the state as
 saved at that step. Flags (files in OUT): ``crash_first_step`` -> the next resumed process
-raises in its first step (the file is removed); ``fail_standby`` -> a standby exits 3 at once.
+raises in its first step (the file is removed); ``fail_standby`` -> a standby exits 3 at once
+(and the active finishes only once the launcher counted three failed standbys).
 """
 
 import hashlib
@@ -51,7 +52,7 @@ class Net(torch.nn.Sequential):
         return super().to(*args, **kwargs)
 
 
-torch.manual_seed(rank)
+torch.manual_seed(0)  # replicated, as under DDP: every rank holds the same state
 model = Net(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 model = flashckpt.to_device(model, "cpu")
@@ -89,7 +90,7 @@ for step in range(start + 1, steps + 1):
         (out / "crash_first_step").unlink()
         event("crashing", step=step)
         raise RuntimeError("a crash in the first resumed step")
-    g = torch.Generator().manual_seed(1000 * rank + step)
+    g = torch.Generator().manual_seed(step)
     x = torch.randn(16, 64, generator=g)
     loss = (model(x) - x).pow(2).mean()
     opt.zero_grad()
@@ -99,5 +100,14 @@ for step in range(start + 1, steps + 1):
     ckpt.save(step, state)
     event("step", step=step)
     time.sleep(0.05)
+if (out / "fail_standby").exists():  # finish only once the launcher gave up on standbys
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((out / "launcher.json").read_text())["standby_failures"] >= 3:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
 ckpt.close()
 event("done", step=steps)

@@ -7,9 +7,10 @@ optimizer on the GPU; the takeover (:func:`materialise`, called by the Checkpoin
 wait and before the restore loads anything) moves each recorded module, and the restore then
 loads the memory tier's bytes straight into the device tensors.
 
-An optimizer built over the module's parameters in the standby stays valid: ``Module.to``
-keeps each ``Parameter`` object and moves its data, and the restore loads the optimizer's state
-onto its parameters' device. (An optimizer that needs device parameters when it is built,
+An optimizer built over the module's parameters in the standby stays valid: the move swaps each
+``Parameter``'s contents in place (``torch.utils.swap_tensors``; a plain ``Module.to`` would
+replace a parameter whose tensor type changes, leaving the optimizer updating the old host
+copy), and the restore loads the optimizer's state onto its parameters' device. (An optimizer that needs device parameters when it is built,
 ``fused=True`` on CUDA, must be built after the restore.)
 """
 
@@ -45,5 +46,19 @@ def materialise() -> int:
     with _lock:
         todo, _deferred[:] = list(_deferred), []
     for module, device in todo:
-        module.to(device)
+        _move_keeping_parameters(module, device)
     return len(todo)
+
+
+def _move_keeping_parameters(module: Any, device: Any) -> None:
+    """``module.to(device)`` that keeps every ``Parameter`` object (so optimizers built over them
+    stay valid): ``Module.to`` replaces a parameter whose new tensor type cannot share the old
+    one's (cpu -> meta, and other device types), unless swapping is on."""
+    import torch
+
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

@@ -35,10 +35,10 @@ from flashckpt.version import __version__
 
 if TYPE_CHECKING:
     from flashckpt import policy
+    from flashckpt.distributed.standby.placement import to_device
     from flashckpt.engine.restore.readonly import restore
     from flashckpt.engine.runtime.checkpointer import Checkpointer
     from flashckpt.engine.save.handle import SaveHandle, SaveStats
-    from flashckpt.engine.standby.placement import to_device
     from flashckpt.engine.tiers.promote import Promotion
     from flashckpt.state.rng import RNG
     from flashckpt.state.sampler import ResumableSampler
@@ -53,7 +53,7 @@ _LAZY = {
     "restore": "flashckpt.engine.restore.readonly",
     "RNG": "flashckpt.state.rng",
     "ResumableSampler": "flashckpt.state.sampler",
-    "to_device": "flashckpt.engine.standby.placement",
+    "to_device": "flashckpt.distributed.standby.placement",
 }
 
 

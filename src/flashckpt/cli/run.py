@@ -1,4 +1,4 @@
-"""``flashckpt run``: run a training script with a warm standby (engine/standby/supervise.py)."""
+"""``flashckpt run``: a training script with a warm standby (distributed/standby/supervise.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashckpt.engine.standby.supervise import run as supervise
+    from flashckpt.distributed.standby.supervise import run as supervise
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":

@@ -120,7 +120,7 @@ def writer_holder(root: str | os.PathLike[str], *, name: str = "writer") -> int 
     """The pid of the process holding the writer lock ``name`` of ``root`` (None: nobody).
 
     A read-only probe (``F_GETLK``): it creates nothing, takes nothing and never waits, so a warm
-    standby (engine/standby/) can poll it while the active writer lives; the kernel drops the
+    standby (distributed/standby/) can poll it while the active writer lives; the kernel drops the
     lock the instant its owner dies, so None then means the writer is gone. A root or lock file
     that does not exist yet has no holder."""
     try:

@@ -1,11 +1,11 @@
 """A standby's Checkpointer: opened at the takeover, not when it is built.
 
-In a process ``flashckpt run`` started as a standby (engine/standby/role.py), the Checkpointer
+In a process ``flashckpt run`` started as a standby (distributed/standby/role.py), the Checkpointer
 keeps its ``_open`` call as a :class:`Pending` and opens nothing (no lock, no journal, no tier,
 no thread). Its first use (``restore()``, normally) calls :func:`take_over`, which waits at idle
-priority until the active process is gone (engine/standby/wait.py), opens the root as the
+priority until the active process is gone (distributed/standby/wait.py), opens the root as the
 active writer (the dead writer's run marker is there, so the restart is timed as any other),
-moves the modules ``flashckpt.to_device`` deferred (engine/standby/placement.py), and journals
+moves the modules ``flashckpt.to_device`` deferred (distributed/standby/placement.py), and journals
 one ``takeover`` event; the ``restart`` event at the first resumed step then carries
 ``takeover: true`` with ``wait_s`` (kill -> the standby woke) and ``open_s`` (woke -> the
 restore began) as its ``down_s`` and ``start_s`` (engine/runtime/restart.py).
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from flashckpt.engine.standby import placement
-from flashckpt.engine.standby.role import Role, from_env
-from flashckpt.engine.standby.wait import wait_for_takeover
+from flashckpt.distributed.standby import placement
+from flashckpt.distributed.standby.role import Role, from_env
+from flashckpt.distributed.standby.wait import wait_for_takeover
 from flashckpt.journal import Journal
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashckpt.engine.standby import placement, role
+from flashckpt.distributed.standby import placement, role
 from flashckpt.errors import ConfigError
 from flashckpt.store.lock import WriterLock, writer_holder
 

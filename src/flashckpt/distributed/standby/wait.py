@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashckpt.engine.standby import role as roles
+from flashckpt.distributed.standby import role as roles
 from flashckpt.errors import LockedError
 from flashckpt.store.lock import writer_holder
 

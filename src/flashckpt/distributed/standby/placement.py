@@ -10,8 +10,9 @@ loads the memory tier's bytes straight into the device tensors.
 An optimizer built over the module's parameters in the standby stays valid: the move swaps each
 ``Parameter``'s contents in place (``torch.utils.swap_tensors``; a plain ``Module.to`` would
 replace a parameter whose tensor type changes, leaving the optimizer updating the old host
-copy), and the restore loads the optimizer's state onto its parameters' device. (An optimizer that needs device parameters when it is built,
-``fused=True`` on CUDA, must be built after the restore.)
+copy), and the restore loads the optimizer's state onto its parameters' device. (An optimizer
+that needs device parameters when it is built, ``fused=True`` on CUDA, must be built after the
+restore.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from flashckpt.engine.standby.role import is_standby
+from flashckpt.distributed.standby.role import is_standby
 
 M = TypeVar("M")
 _deferred: list[tuple[Any, Any]] = []

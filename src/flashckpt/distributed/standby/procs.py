@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flashckpt.engine.standby import role as roles
+from flashckpt.distributed.standby import role as roles
 
 
 def free_port() -> int:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashckpt.engine.standby.procs import RankSet, start_set
+from flashckpt.distributed.standby.procs import RankSet, start_set
 from flashckpt.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def event(name: str, **fields: object) -> None:
     log.flush()
 
 
-event("start", standby=standby)
+event("start", standby=standby, policy=os.sched_getscheduler(0))
 if standby and (out / "fail_standby").exists():
     sys.exit(3)
 if world > 1:
@@ -83,7 +83,7 @@ ckpt = flashckpt.Checkpointer(
 )
 start = ckpt.restore(state) or 0
 event("restored", step=start, digest=digest(), moves_before=moves_before, moves_after=Net.moves,
-      was_standby=standby)  # fmt: skip
+      was_standby=standby, policy=os.sched_getscheduler(0))  # fmt: skip
 (out / "digests").mkdir(exist_ok=True)
 for step in range(start + 1, steps + 1):
     if start and (out / "crash_first_step").exists() and rank == 0:

@@ -144,10 +144,13 @@ def test_takeover_after_sigkill(tmp_path: Path) -> None:
     # the standby moved its model to the device only at the takeover (flashckpt.to_device)
     assert r["moves_before"] == 0 and r["moves_after"] == 1
     first = [e for e in launch.events() if e["event"] == "start" and e["pid"] == killed]
-    assert first and not first[0]["standby"]
+    assert first and not first[0]["standby"] and first[0]["policy"] == os.SCHED_OTHER
+    # the standby started at idle priority and trains at normal priority after the takeover
+    mine = [e for e in launch.events() if e["event"] == "start" and e["pid"] == standby_pid]
+    assert mine[0]["policy"] == os.SCHED_IDLE and r["policy"] == os.SCHED_OTHER
     assert next(e for e in launch.events() if e["event"] == "done")["pid"] == standby_pid
     (tk,) = takeovers(tmp_path)
-    assert tk["pid"] == standby_pid and tk["moved_modules"] == 1
+    assert tk["pid"] == standby_pid and tk["moved_modules"] == 1 and tk["priority_restored"]
     (rs,) = restarts(tmp_path)
     assert rs["takeover"] is True and rs["restored_step"] == r["step"]
     parts = rs["wait_s"] + rs["open_s"] + rs["restore_s"] + rs["first_step_s"]

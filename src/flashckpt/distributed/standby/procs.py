@@ -33,6 +33,19 @@ def _idle() -> None:  # runs in the child between fork and exec
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+def normal_priority(pid: int) -> None:
+    """Every thread of process ``pid`` from ``SCHED_IDLE`` back to ``SCHED_OTHER`` (best effort:
+    a thread may end meanwhile, and the kernel may refuse)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError, AttributeError):
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
 def idle_allowed() -> bool:
     return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
 
@@ -128,8 +141,12 @@ class RankSet:
                 os.killpg(m.proc.pid, signal.SIGKILL)  # what the member left in its session
 
     def go(self, seen_dead_t: float) -> bool:
-        """Promote a standby set: every member gets the go line (False: one could not)."""
+        """Promote a standby set: every member gets the go line (False: one could not) and
+        normal CPU priority at once (one still building the model must not do it at idle
+        priority now that it is the job; the standby also restores it itself, see wait.py)."""
         sent = [m.go(seen_dead_t) for m in self.members]
+        for m in self.members:
+            normal_priority(m.proc.pid)
         for m in self.members:
             m._close_ready()
         self.standby = False

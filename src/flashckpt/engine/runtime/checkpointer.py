@@ -115,12 +115,11 @@ class Checkpointer:
         self._empty_memory = not keep_memory_after_close  # see engine/tiers/closing.py
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
-        replication = Replication.of(replicas)  # peer copies of the memory tier
-        self._promotion = _promotion(promotion, replication)
+        self._replication = Replication.of(replicas)  # peer copies of the memory tier
+        self._promotion = _promotion(promotion, self._replication)
         opening = partial(
             self._open,
             dist=dict(process_group=process_group, timeout_s=dist_timeout_s, on_busy=on_busy),
-            replication=replication,
             fsync=fsync,
             tiers=dict(
                 memory_tier=memory_tier,
@@ -140,15 +139,13 @@ class Checkpointer:
         self,
         *,
         dist: dict[str, Any],
-        replication: Replication | None,
         fsync: bool,
         tiers: dict[str, Any],
         run: tuple[bool, float, EmergencySave | None],
     ) -> None:
         """Open the root, the tiers and the runtime (at once, or at a standby's takeover)."""
-        self._dist = DistRuntime.detect(  # torch.distributed: see distributed/runtime.py
-            **dist, root=self.root, replication=replication
-        )
+        # torch.distributed: see distributed/runtime.py
+        self._dist = DistRuntime.detect(**dist, root=self.root, replication=self._replication)
         if self._dist is not None:
             self.rank, self.world_size = self._dist.rank, self._dist.world_size
         with ExitStack() as undo:  # any failure below releases what was taken so far
@@ -248,7 +245,7 @@ class Checkpointer:
     @property
     def last_step(self) -> int | None:
         """The newest step this Checkpointer made durable or restored (None: neither yet)."""
-        return self._saver.last_step
+        return None if self._standby is not None else self._saver.last_step
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -363,8 +360,7 @@ class Checkpointer:
         self._inflight.raise_pending()
 
     def _take_over(self) -> None:
-        """A standby's first use of its Checkpointer waits until the active process is gone,
-        then opens the root as the active writer (engine/runtime/takeover.py)."""
+        """A standby's first use waits for its takeover, then opens (engine/runtime/takeover.py)."""
         if self._standby is not None:
             pending, self._standby = self._standby, None
             takeover.take_over(pending, self)

@@ -8,7 +8,9 @@ digest of the live state right after the restore, how often the model was moved 
 before and after it), ``step``. ``OUT/digests/<rank>-<step>`` holds the digest of the state as
 saved at that step. Flags (files in OUT): ``crash_first_step`` -> the next resumed process
 raises in its first step (the file is removed); ``fail_standby`` -> a standby exits 3 at once
-(and the active finishes only once the launcher counted three failed standbys).
+(and the active finishes only once the launcher counted three failed standbys); ``standin`` ->
+saves go through the device-staging path with the CPU stand-in for CUDA of
+tests/engine/save/test_device_standin.py.
 """
 
 import hashlib
@@ -37,6 +39,16 @@ def event(name: str, **fields: object) -> None:
 event("start", standby=standby, policy=os.sched_getscheduler(0))
 if standby and (out / "fail_standby").exists():
     sys.exit(3)
+if (out / "standin").exists():  # the CPU stand-in for CUDA that the device-staging tests use
+    import importlib.util
+
+    from flashckpt.engine import device
+
+    where = Path(__file__).parents[2] / "engine" / "save" / "test_device_standin.py"
+    spec = importlib.util.spec_from_file_location("device_standin", where)
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    device.OPS = standin.FakeCuda()  # every CPU tensor counts as a device tensor
 if world > 1:
     import torch.distributed as dist
 
@@ -110,4 +122,6 @@ if (out / "fail_standby").exists():  # finish only once the launcher gave up on 
             pass
         time.sleep(0.05)
 ckpt.close()
-event("done", step=steps)
+from flashckpt.engine import device  # noqa: E402
+
+event("done", step=steps, device_calls=len(getattr(device.OPS, "calls", [])))

@@ -158,6 +158,25 @@ def test_takeover_after_sigkill(tmp_path: Path) -> None:
     assert launch.state()["takeovers"] == 1 and launch.state()["cold_restarts"] == 0
 
 
+def test_takeovers_through_the_device_staging_standin(tmp_path: Path) -> None:
+    """With the CPU stand-in for CUDA (every tensor staged through the device path), a standby
+    takes over, saves as the active process, and the next standby restores what it saved."""
+    (tmp_path / "standin").touch()
+    launch = Launch(tmp_path, steps=200)  # long enough for a second standby to get ready
+    launch.ready_standby()
+    launch.kill_active_at(5)
+    first = launch.until("the first takeover", lambda: restored(launch)[1:] and restored(launch)[1])
+    launch.ready_standby()
+    launch.kill_active_at(first["step"] + 5)
+    code, log = launch.finish()
+    assert code == 0, log
+    rows = check_restores(launch)
+    assert len(rows) == 2 and rows[1]["step"] > first["step"]  # saved by the first standby
+    assert all(r["was_standby"] and r["moves_before"] == 0 for r in rows)
+    done = next(e for e in launch.events() if e["event"] == "done")
+    assert done["pid"] == rows[1]["pid"] and done["device_calls"] > 0  # the stand-in staged
+
+
 def test_clean_exit_ends_the_standby(tmp_path: Path) -> None:
     launch = Launch(tmp_path, steps=6)
     standby_pid = launch.ready_standby()["standby"][0]

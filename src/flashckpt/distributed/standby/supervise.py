@@ -23,6 +23,10 @@ Two failures in a row (the new active dies in its first step, before the next st
 ready) are the same case: the next standby is told ``go`` at once and takes over once it
 reaches ``restore()``.
 
+Every process it starts gets ``FLASHCKPT_RUN_GENERATION`` (1, 2, ...: the set it belongs to)
+and, with ``nproc > 1``, torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: a fresh port per set).
+
 ``state_file`` (optional): a JSON object rewritten at every change — ``{"launcher": pid,
 "generation": n, "active": [pids], "standby": [pids], "standby_ready": bool, "restarts": n,
 "takeovers": n, "cold_restarts": n, "standby_failures": n}`` — for a benchmark or an operator

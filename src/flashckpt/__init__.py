@@ -2,7 +2,8 @@
 
 The public face is small: :class:`Checkpointer`, :func:`restore` (read-only, no lock),
 :class:`SaveHandle`, :class:`Promotion` (how the tiers below the fastest are fed), :class:`RNG`,
-:class:`ResumableSampler`, the errors, and the ``flashckpt.policy`` and ``flashckpt.memory``
+:class:`ResumableSampler`, :func:`to_device` (``module.to(device)``, deferred in a warm standby
+until it takes over), the errors, and the ``flashckpt.policy`` and ``flashckpt.memory``
 subpackages.
 
 ``import flashckpt`` loads only the errors: the engine (and with it xxhash, torch.distributed
@@ -35,6 +36,7 @@ from flashckpt.version import __version__
 
 if TYPE_CHECKING:
     from flashckpt import policy
+    from flashckpt.distributed.standby.placement import to_device
     from flashckpt.engine.restore.readonly import restore
     from flashckpt.engine.runtime.checkpointer import Checkpointer
     from flashckpt.engine.save.handle import SaveHandle, SaveStats
@@ -52,6 +54,7 @@ _LAZY = {
     "restore": "flashckpt.engine.restore.readonly",
     "RNG": "flashckpt.state.rng",
     "ResumableSampler": "flashckpt.state.sampler",
+    "to_device": "flashckpt.distributed.standby.placement",
 }
 
 
@@ -92,4 +95,5 @@ __all__ = [
     "__version__",
     "policy",
     "restore",
+    "to_device",
 ]

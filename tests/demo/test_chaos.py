@@ -130,6 +130,7 @@ def test_promote_every_below_one_is_a_config_error(tmp_path: Path, bad) -> None:
     "methods",
     [
         ("flashckpt", "dcp_async_save"),
+        ("flashckpt_standby",),
         pytest.param(("torch_save",), marks=pytest.mark.slow),  # 38 s; unit-tested below
     ],
 )
@@ -167,6 +168,13 @@ def test_chaos_smoke_kills_and_resumes_each_method(tmp_path: Path, methods) -> N
         assert Path(res["methods"]["flashckpt"]["report"]).is_file()
         cfg = json.loads((tmp_path / "flashckpt" / "config.json").read_text())
         assert cfg["promote_every"] == 2
+    if "flashckpt_standby" in methods:  # the launcher's standby took over after each kill
+        from flashckpt.journal import read_events
+
+        evs = read_events(tmp_path / "flashckpt_standby" / "root")
+        restarts = [e for e in evs if e.get("event") == "restart"]
+        assert restarts and all(e.get("takeover") for e in restarts), restarts
+        assert len([e for e in evs if e.get("event") == "takeover"]) == 2
 
 
 def test_a_method_that_fails_keeps_the_other_methods_results(tmp_path: Path, monkeypatch) -> None:

@@ -50,3 +50,19 @@ def test_a_journaled_restart_spanning_two_failures_is_not_used() -> None:
     res = analyze(_log(), kills=[6.0, 12.0], t0=0.0, t_end=25.0, journal=journal)
     assert res.restart_s == [pytest.approx(3.0)]  # the log's: kill at 12 -> step at 15
     assert res.restart_journaled == 0 and res.journal_restart_parts_s == {}
+
+
+def test_a_standby_run_is_timed_from_the_kill_before_its_first_step() -> None:
+    """flashckpt_standby: the standby process started at t=5 (before the kill at 12), its
+    restore() returned at 12.4, its first step at 13.0: a 1.0 s restart, all but the first step
+    in restore; the kill is not the one before its process start (none here)."""
+    log = _log()[:11]
+    log.append({"event": "start", "pid": 2, "step": 8, "t_proc": 5.0, "t_imported": 6.0,
+                "t_restore": 7.0, "t_restored": 12.4, "standby": True})  # fmt: skip
+    log += [{"event": "step", "step": s, "t": 13.0 + (s - 9), "compute_s": 1.0, "blocked_s": 0.0}
+            for s in range(9, 15)]  # fmt: skip
+    res = analyze(log, kills=[12.0], t0=0.0, t_end=25.0)
+    assert res.restart_s == [pytest.approx(1.0)]
+    assert res.restart_parts_s["process"] == 0.0 and res.restart_parts_s["build"] == 0.0
+    assert res.restart_parts_s["restore"] == pytest.approx(0.4)
+    assert res.restart_parts_s["first_step"] == pytest.approx(0.6)

@@ -16,7 +16,17 @@ from collections.abc import Sequence
 from flashckpt.errors import FlashCkptError
 
 # Command modules, in the order ``--help`` lists them.
-COMMAND_MODULES = ("demo", "store_cmds", "report", "status", "plan", "interop", "bench", "chaos")
+COMMAND_MODULES = (
+    "demo",
+    "store_cmds",
+    "report",
+    "status",
+    "plan",
+    "interop",
+    "bench",
+    "chaos",
+    "run",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,9 @@
 """The chaos benchmark: goodput under real failures, side by side, with the same failure times.
 
+``flashckpt_standby`` is ``flashckpt`` run under ``flashckpt run --standby 1``: the kills hit the
+process the launcher's state file names as the active one, and the launcher (not this driver)
+restarts it, by handing over to its warm standby.
+
 For each method, train the demo GPT in a child process (:mod:`flashckpt.demo.chaos_train`) for
 ``minutes`` of wall time while this process SIGKILLs it at exponentially distributed instants
 (mean ``mtbf_s``, seeded, drawn once and used for every method) and restarts it at once, as a
@@ -33,7 +37,8 @@ from flashckpt.demo.chaos_stats import analyze, baseline_step_s
 from flashckpt.errors import ConfigError
 from flashckpt.journal import read_events
 
-METHODS = ("flashckpt", "torch_save", "dcp_async_save")
+METHODS = ("flashckpt", "flashckpt_standby", "torch_save", "dcp_async_save")
+FLASHCKPT = ("flashckpt", "flashckpt_standby")  # journaled methods (restart parts, report)
 # ~23M parameters: about 370 MB of model + AdamW state, inside the 200-500 MB the issue asks for
 MODEL = {"block_size": 128, "n_layer": 7, "n_head": 8, "n_embd": 512}
 SMOKE_MODEL = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
@@ -160,7 +165,7 @@ def _config(
         "memory": str(shm / f"flashckpt-chaos-{getpass.getuser()}-{os.getpid()}-{method}"),
         "log": str(d / "train.jsonl"),
     }
-    if method == "flashckpt":
+    if method in FLASHCKPT:
         cfg["promote_every"] = promote_every  # Promotion(every=) of its Checkpointer
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return cfg
@@ -197,6 +202,11 @@ def _run_method(
     time (known once the baseline after it ran)."""
     cfg_path = Path(cfg["log"]).with_name("config.json")
     cmd = [sys.executable, "-m", "flashckpt.demo.chaos_train", str(cfg_path)]
+    standby = cfg["method"] == "flashckpt_standby"
+    state_file = cfg_path.with_name("launcher.json")
+    if standby:  # flashckpt run keeps a standby and restarts the trainer itself
+        launcher = [sys.executable, "-m", "flashckpt.cli", "run", "--standby", "1"]
+        cmd = [*launcher, "--max-restarts", "100000", "--state-file", str(state_file), "--", *cmd]
     t0_mono, t0 = time.monotonic(), time.time()
     killed_at: list[float] = []
     pending = list(kills)
@@ -208,19 +218,25 @@ def _run_method(
                 break
             if pending and elapsed >= pending[0]:
                 pending.pop(0)
-                _kill(proc)
+                if standby:
+                    _kill_active(state_file)
+                else:
+                    _kill(proc)
                 killed_at.append(time.time())
-                proc = _spawn(cmd)
+                if not standby:
+                    proc = _spawn(cmd)
             elif proc.poll() is not None:
                 raise RuntimeError(f"chaos trainer ({cfg['method']}) exited with {proc.returncode}")
             time.sleep(0.01)
     finally:
+        if standby:
+            _end_launcher(proc, state_file)
         _kill(proc)
         t_end = time.time()
         shutil.rmtree(cfg["memory"], ignore_errors=True)
     records = _read(Path(cfg["log"]))
-    journal = read_events(cfg["root"]) if cfg["method"] == "flashckpt" else None
-    report = _report(Path(cfg["root"])) if cfg["method"] == "flashckpt" else None
+    journal = read_events(cfg["root"]) if cfg["method"] in FLASHCKPT else None
+    report = _report(Path(cfg["root"])) if cfg["method"] in FLASHCKPT else None
 
     def measured(base_step_s: float | None) -> dict[str, Any]:
         res = analyze(
@@ -242,6 +258,32 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def _launched(state_file: Path) -> dict[str, Any]:
+    try:
+        got = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _kill_active(state_file: Path) -> None:
+    """SIGKILL the process ``flashckpt run`` says is the active trainer (its whole session)."""
+    for pid in _launched(state_file).get("active", []):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _end_launcher(proc: subprocess.Popen[bytes], state_file: Path) -> None:
+    """Stop the launcher, then SIGKILL what it ran (active and standby, each its own session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    st = _launched(state_file)
+    for pid in [*st.get("active", []), *st.get("standby", [])]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _read(path: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,10 @@ record per step (compute and blocking seconds). Processes follow each other in t
   (down, start, restore, first_step); ``restart_journaled`` counts them. A journaled restart
   whose kill instant precedes the kill before this one spans two failures (a restarted
   process killed before it opened its Checkpointer leaves no trace in the journal); the log's
-  figure is used for it instead.
+  figure is used for it instead. A warm standby's process (``flashckpt_standby``: ``standby``
+  in its start record) was started before the kill it replaces: its kill is the last one
+  before its first step, and everything from the kill to the end of its ``restore()`` (the
+  wait, opening the Checkpointer, loading) is its restore part (process, imports, build: 0).
 - **Daly's model** at the measured save cost ``C`` = (seconds the steps took beyond
   ``base_step_s``, blocking included, over every step but each process's first) / saves, the
   measured restart ``R`` less one undisturbed step (the first resumed step is useful work),
@@ -115,8 +118,11 @@ def _restarts(
         cold = runs[0].steps[0]["t"] - t_spawn0
     for run in runs[1:]:
         s = run.start
-        before = [k for k in kills if k <= s["t_proc"]]
-        if not before or not run.steps:
+        if not run.steps:
+            continue
+        standby = s.get("standby") is True  # a warm standby: started before the kill
+        before = [k for k in kills if k <= (run.steps[0]["t"] if standby else s["t_proc"])]
+        if not before:
             continue
         kill = before[-1]
         j = journaled.get(s.get("pid"))
@@ -124,10 +130,15 @@ def _restarts(
             journaled.pop(s.get("pid"))  # it spans an earlier failure too: take the log's
             j = None
         restart.append(j["restart_seconds"] if j else run.steps[0]["t"] - kill)
-        parts["process"].append(s["t_proc"] - kill)
-        parts["imports"].append(s["t_imported"] - s["t_proc"])
-        parts["build"].append(s["t_restore"] - s["t_imported"])
-        parts["restore"].append(s["t_restored"] - s["t_restore"])
+        if standby:  # no new process, imports or build: its restore() waited for the kill
+            for p in ("process", "imports", "build"):
+                parts[p].append(0.0)
+            parts["restore"].append(s["t_restored"] - kill)
+        else:
+            parts["process"].append(s["t_proc"] - kill)
+            parts["imports"].append(s["t_imported"] - s["t_proc"])
+            parts["build"].append(s["t_restore"] - s["t_imported"])
+            parts["restore"].append(s["t_restored"] - s["t_restore"])
         parts["first_step"].append(run.steps[0]["t"] - s["t_restored"])
     return restart, parts, cold
 

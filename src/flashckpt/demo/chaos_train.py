@@ -1,7 +1,8 @@
 """One training process of the chaos benchmark: ``python -m flashckpt.demo.chaos_train CFG.json``.
 
 Trains the demo GPT and checkpoints it with one method — ``flashckpt`` (memory tier + disk,
-async, the ``Auto`` interval), ``torch_save`` (``torch.save`` + fsync + rename) or
+async, the ``Auto`` interval; ``flashckpt_standby`` is the same under ``flashckpt run --standby
+1``, whose standby copy waits in ``restore()``), ``torch_save`` (``torch.save`` + fsync + rename) or
 ``dcp_async_save`` (``torch.distributed.checkpoint.async_save``) — resuming from that method's
 newest complete checkpoint; ``none`` (the baseline: no checkpointing, ``CFG["steps"]`` steps,
 no kills) measures the undisturbed step time and the cold start. The peers save at the
@@ -35,6 +36,7 @@ import flashckpt
 from flashckpt import Promotion
 from flashckpt.demo.model import GPT, GPTConfig
 from flashckpt.engine.runtime.meter import RunMeter
+from flashckpt.engine.runtime.restart import process_start_time
 from flashckpt.policy import Auto, KeepLast
 
 T_IMPORTED = time.time()  # ``python -m`` imported torch and flashckpt before this line ran
@@ -179,7 +181,8 @@ def main(cfg_path: str) -> int:
     t_restore = time.time()
     ckpt: flashckpt.Checkpointer | None = None
     peer: _Peer | None = None
-    if method == "flashckpt":
+    standby = os.environ.get("FLASHCKPT_STANDBY") == "1"  # flashckpt run's standby copy
+    if method in ("flashckpt", "flashckpt_standby"):
         ckpt = flashckpt.Checkpointer(
             cfg["root"],
             memory_tier=cfg["memory"],
@@ -196,7 +199,10 @@ def main(cfg_path: str) -> int:
         peer = _Peer(method, Path(cfg["root"]), state, mtbf_s)
         start = peer.restore()
     log = open(cfg["log"], "a")  # noqa: SIM115 - the whole run
-    start_rec = {"event": "start", "pid": os.getpid(), "step": start, "t_proc": spawn_time()}
+    t_proc = process_start_time()[0] if standby else spawn_time()
+    start_rec = {"event": "start", "pid": os.getpid(), "step": start, "t_proc": t_proc}
+    if standby:  # started before the kill it replaces: the stats time it from the kill
+        start_rec["standby"] = True
     start_rec.update(t_imported=T_IMPORTED, t_restore=t_restore, t_restored=time.time())
     log.write("\n" + json.dumps(start_rec) + "\n")  # "\n" ends a line a killed process cut
     log.flush()

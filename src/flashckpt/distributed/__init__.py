@@ -7,7 +7,9 @@ the save attempt and commit protocol (:mod:`.attempt`, :mod:`.commit`, :mod:`.me
 of replicated tensors (:mod:`.ownership`), the distributed restore (:mod:`.restore`) and the one
 object the Checkpointer talks to (:mod:`.runtime`). It may call ``engine.tiers``,
 ``engine.save`` and ``engine.restore``; the Checkpointer (``engine.runtime``) sits above it.
-Only this package runs collectives.
+Only this package runs collectives. Beside them, :mod:`.standby` runs a job's processes on one
+node: ``flashckpt run`` keeps a warm standby set of ranks that takes over, on a fresh process
+group, when the active set dies.
 """
 
 from flashckpt.distributed.group.elastic import init_process_group, restart_count

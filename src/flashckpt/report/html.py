@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flashckpt.policy.interval import primary_events
 from flashckpt.report import charts as ch
-from flashckpt.report.restarts import describe_parts
+from flashckpt.report.restarts import describe_parts, describe_takeovers
 from flashckpt.report.style import CSS
 from flashckpt.report.summary import (
     Event,
@@ -159,9 +159,16 @@ def _restart_note(s: RunSummary) -> str:
     """The last restart's parts and the mean (kill -> first resumed step)."""
     if not s.restarts_timed:
         return "kill → first resumed step; none timed"
+    warm = describe_takeovers(
+        count=s.restarts_timed,
+        takeovers=s.takeovers,
+        takeover_mean_s=s.mean_takeover_s,
+        cold_mean_s=s.mean_cold_restart_s,
+        fmt=fmt_s,
+    )
     return (
-        f"{describe_parts(s.restart_parts_last, fmt_s)} · mean {ch.opt(s.mean_restart_s)} "
-        f"over {s.restarts_timed}"
+        f"{describe_parts(s.restart_parts_last, fmt_s, takeover=s.last_restart_takeover)} · "
+        f"mean {ch.opt(s.mean_restart_s)} over {s.restarts_timed}" + (f" · {warm}" if warm else "")
     )
 
 

@@ -203,7 +203,8 @@ class RunSummary:
 
     Restart seconds (kill -> first resumed step, from ``restart`` events; see
     engine/runtime/restart.py): ``restarts_timed`` of them, the last, mean and max, and each part's
-    last and mean value (``down``, ``start``, ``restore``, ``first_step``).
+    last and mean value (``down``, ``start``, ``restore``, ``first_step``); ``takeovers`` of them
+    were a warm standby's (their mean ``mean_takeover_s``; the others' ``mean_cold_restart_s``).
     """
 
     events: int
@@ -233,6 +234,10 @@ class RunSummary:
     max_restart_s: float | None = None
     restart_parts_last: dict[str, float] = field(default_factory=dict)
     restart_parts_mean: dict[str, float] = field(default_factory=dict)
+    takeovers: int = 0  # restarts a warm standby took over (flashckpt run --standby 1)
+    last_restart_takeover: bool = False
+    mean_takeover_s: float | None = None
+    mean_cold_restart_s: float | None = None
     step_time_s: float | None = None
     last_step: int | None = None
     last_durable_step: int | None = None
@@ -362,6 +367,10 @@ def summarize(
         max_restart_s=rs.max_s,
         restart_parts_last=rs.parts_last,
         restart_parts_mean=rs.parts_mean,
+        takeovers=rs.takeovers,
+        last_restart_takeover=rs.last_takeover,
+        mean_takeover_s=rs.takeover_mean_s,
+        mean_cold_restart_s=rs.cold_mean_s,
         step_time_s=step_time,
         last_step=int(max(steps)) if steps else None,
         last_durable_step=max(durable_steps, default=None),

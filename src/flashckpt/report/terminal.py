@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashckpt.report.restarts import describe_parts
+from flashckpt.report.restarts import describe_parts, describe_takeovers
 from flashckpt.report.summary import RunSummary
 from flashckpt.report.svg import fmt_bytes, fmt_rate, fmt_s
 
@@ -17,9 +17,17 @@ def _restart(s: RunSummary) -> str:
     """Kill -> first resumed step: last (its parts), mean, max."""
     if not s.restarts_timed:
         return "– (no restart after a crash timed yet)"
+    parts = describe_parts(s.restart_parts_last, fmt_s, takeover=s.last_restart_takeover)
+    warm = describe_takeovers(
+        count=s.restarts_timed,
+        takeovers=s.takeovers,
+        takeover_mean_s=s.mean_takeover_s,
+        cold_mean_s=s.mean_cold_restart_s,
+        fmt=fmt_s,
+    )
     return (
-        f"last {_opt(s.last_restart_s)} ({describe_parts(s.restart_parts_last, fmt_s)}) · mean "
-        f"{_opt(s.mean_restart_s)}, max {_opt(s.max_restart_s)} over {s.restarts_timed}"
+        f"last {_opt(s.last_restart_s)} ({parts}) · mean {_opt(s.mean_restart_s)}, max "
+        f"{_opt(s.max_restart_s)} over {s.restarts_timed}" + (f"; {warm}" if warm else "")
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -113,6 +114,29 @@ class WriterLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def writer_holder(root: str | os.PathLike[str], *, name: str = "writer") -> int | None:
+    """The pid of the process holding the writer lock ``name`` of ``root`` (None: nobody).
+
+    A read-only probe (``F_GETLK``): it creates nothing, takes nothing and never waits, so a warm
+    standby (distributed/standby/) can poll it while the active writer lives; the kernel drops the
+    lock the instant its owner dies, so None then means the writer is gone. A root or lock file
+    that does not exist yet has no holder."""
+    try:
+        fd = safeopen.open_nofollow(root, f"locks/{name}.lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except (OSError, FlashCkptError) as exc:
+        raise StorageError(f"cannot probe the writer lock of {root}: {exc}") from exc
+    try:
+        query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock
+        kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    except OSError as exc:
+        raise StorageError(f"cannot probe the writer lock of {root}: {exc}") from exc
+    finally:
+        os.close(fd)
+    return None if kind == fcntl.F_UNLCK else pid
 
 
 class _RootLockState:

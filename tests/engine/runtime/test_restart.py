@@ -126,3 +126,20 @@ def test_process_start_time_is_before_the_engine_import():
     assert t <= IMPORTED_T <= time.time()
     if sys.platform == "linux":
         assert source == "proc" and os.path.exists("/proc/self/stat")
+
+
+def test_a_standby_takeover_times_the_wait_not_the_process_age(tmp_path):
+    """A standby started long before the kill: down is the wait (kill -> woke), start is the
+    opening (woke -> restore); the standby's own start-up is not part of the restart."""
+    clock = RestartClock(Journal(tmp_path / "j.jsonl"), signs_of_life=[100.0])
+    clock.process_t = 10.0  # started 90 s before the kill
+    clock.takeover(100.3)
+    clock._restore_t0, clock._restore_t1, clock._restored_step = 100.35, 100.8, 7
+    parts = clock.parts(100.0, 101.2)
+    assert parts["takeover"] is True
+    assert parts["down_s"] == parts["wait_s"] == pytest.approx(0.3)
+    assert parts["start_s"] == parts["open_s"] == pytest.approx(0.05)
+    assert parts["restore_s"] == pytest.approx(0.45) and parts["first_step_s"] == pytest.approx(0.4)
+    assert parts["restart_seconds"] == pytest.approx(1.2)
+    cold = RestartClock(Journal(tmp_path / "k.jsonl"), signs_of_life=[100.0])
+    assert "takeover" not in cold.parts(100.0, 101.0)

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from flashckpt.engine import device as devices
 from flashckpt.engine.options import Options, Replication, check_step
 from flashckpt.engine.restore.load import Attempt, restore_from_tiers
 from flashckpt.engine.runtime import exit as exits
+from flashckpt.engine.runtime import takeover
 from flashckpt.engine.runtime.cadence import decide
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.lifecycle import RunMarker
@@ -93,6 +95,7 @@ class Checkpointer:
         replicas: int | Replication = 0,
     ) -> None:
         self._closed = True  # until __init__ succeeds: close() and the exit hook do nothing
+        self._standby: takeover.Pending | None = None
         self.options = Options.build(
             host_memory_budget=host_memory_budget,
             chunk_size=chunk_size,
@@ -112,31 +115,45 @@ class Checkpointer:
         self._empty_memory = not keep_memory_after_close  # see engine/tiers/closing.py
         self.root = Path(root).expanduser().absolute()
         self.rank, self.world_size = 0, 1
-        replication = Replication.of(replicas)  # peer copies of the memory tier
-        self._promotion = _promotion(promotion, replication)
-        self._dist = DistRuntime.detect(  # torch.distributed: see distributed/runtime.py
-            process_group=process_group,
-            timeout_s=dist_timeout_s,
-            on_busy=on_busy,
-            root=self.root,
-            replication=replication,
-        )
-        if self._dist is not None:
-            self.rank, self.world_size = self._dist.rank, self._dist.world_size
-        with ExitStack() as undo:  # any failure below releases what was taken so far
-            self._open_root(undo, fsync=fsync)
-            self._open_tiers(
-                undo,
+        self._replication = Replication.of(replicas)  # peer copies of the memory tier
+        self._promotion = _promotion(promotion, self._replication)
+        opening = partial(
+            self._open,
+            dist=dict(process_group=process_group, timeout_s=dist_timeout_s, on_busy=on_busy),
+            fsync=fsync,
+            tiers=dict(
                 memory_tier=memory_tier,
                 keep_memory=keep_memory,
                 remote=remote,
                 remote_options=remote_options,
                 keep_remote=keep_remote,
-                fsync=fsync,
-            )
+            ),
+            run=(handle_sigterm, grace_period_s, emergency_save),
+        )
+        # a warm standby (flashckpt run --standby 1) opens nothing until it takes over
+        self._standby = takeover.pending(opening)
+        if self._standby is None:
+            opening()
+
+    def _open(
+        self,
+        *,
+        dist: dict[str, Any],
+        fsync: bool,
+        tiers: dict[str, Any],
+        run: tuple[bool, float, EmergencySave | None],
+    ) -> None:
+        """Open the root, the tiers and the runtime (at once, or at a standby's takeover)."""
+        # torch.distributed: see distributed/runtime.py
+        self._dist = DistRuntime.detect(**dist, root=self.root, replication=self._replication)
+        if self._dist is not None:
+            self.rank, self.world_size = self._dist.rank, self._dist.world_size
+        with ExitStack() as undo:  # any failure below releases what was taken so far
+            self._open_root(undo, fsync=fsync)
+            self._open_tiers(undo, fsync=fsync, **tiers)
             self._start_runtime()
             undo.callback(self._stop_threads)
-            self._start_run(handle_sigterm, grace_period_s, emergency_save)
+            self._start_run(*run)
             undo.pop_all()
         self._closed = False
         exits.track(self)
@@ -228,7 +245,7 @@ class Checkpointer:
     @property
     def last_step(self) -> int | None:
         """The newest step this Checkpointer made durable or restored (None: neither yet)."""
-        return self._saver.last_step
+        return None if self._standby is not None else self._saver.last_step
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -238,6 +255,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait until the last save is durable, release everything, raise a pending error."""
+        if self._standby is not None:  # a standby that never took over opened nothing
+            self._standby = None
+            return
         if self._closed:
             return
         if self._preempt is not None and self._preempt.triggered:  # SIGTERM: bounded final work
@@ -279,10 +299,12 @@ class Checkpointer:
 
     def has_step(self, step: int) -> bool:
         """True when ``step`` is committed in any tier (a step is saved once: see save())."""
+        self._take_over()
         return bool(holding(self._tiers.tiers, step))
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is durable; raise its error."""
+        self._take_over()
         self._wait_current()
         self._after.settle()
         self._raise_pending()
@@ -290,12 +312,14 @@ class Checkpointer:
     def wait_promoted(self, timeout_s: float | None = None) -> bool:
         """Block until the in-flight save is durable and every queued promotion to slower tiers
         finished (or gave up); False when ``timeout_s`` ran out first."""
+        self._take_over()
         self._wait_current()
         self._after.settle()  # its durable callback queued the promotion
         return self._tiers.promoter.drain(timeout_s)
 
     def steps(self) -> list[int]:
         """Committed steps in any tier, oldest first (after the last save's retention)."""
+        self._take_over()
         self._after.wait()
         return self._tiers.steps()
 
@@ -307,12 +331,14 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Call once per training step with the step just completed: True when the save policy
         (``save_policy=``) says this step should be saved. Measures step time as it goes."""
+        self._take_over()
         return decide(self, step, self._meter, self._marker, self._dist, self._preempt)
 
     def step(self, step: int) -> None:
         """Record that training reached ``step``: a small write to the run marker (page cache,
         no fsync) and the step-time meter. Call it every step when the loop does not call
         ``should_save`` every step, so the steps a crash loses are measured."""
+        self._take_over()
         check_step(step)
         self._marker.tick(step)
         step_time = self._meter.tick(step, time.time())
@@ -337,7 +363,14 @@ class Checkpointer:
     def _raise_pending(self) -> None:
         self._inflight.raise_pending()
 
+    def _take_over(self) -> None:
+        """A standby's first use waits for its takeover, then opens (engine/runtime/takeover.py)."""
+        if self._standby is not None:
+            pending, self._standby = self._standby, None
+            takeover.take_over(pending, self)
+
     def _check_open(self) -> None:
+        self._take_over()
         if self._closed:
             raise FlashCkptError("this Checkpointer is closed; create a new one")
 

@@ -83,6 +83,11 @@ class RunMarker:
             if self.restart.done:  # journaled: later ticks skip it
                 self.restart = None
 
+    def took_over(self, woke_t: float) -> None:
+        """This run is a warm standby that took over at ``woke_t`` (engine/runtime/takeover.py)."""
+        if self.restart is not None:
+            self.restart.takeover(woke_t)
+
     def restoring(self) -> None:
         """A restore call begins (times the restart; nothing else)."""
         if self.restart is not None:

@@ -26,6 +26,11 @@ spans both failures (from the last run that did).
 ``imported_s`` and ``ready_s`` are milestones inside ``start_s``: seconds from the process
 start until flashckpt was imported and until the Checkpointer was ready.
 
+A warm standby that takes over (engine/runtime/takeover.py) was started before the kill, so
+for it ``down_s`` is the *wait*: kill -> the standby woke (the launcher saw the death and the
+kernel released the writer lock), and ``start_s`` is opening the Checkpointer; the event then
+also has ``takeover: true``, ``wait_s`` (= ``down_s``) and ``open_s`` (= ``start_s``).
+
 A clean previous run (``close()`` removed its marker) journals no restart: nothing says when
 it stopped being useful.
 """
@@ -71,7 +76,12 @@ class RestartClock:
         self._restore_t0: float | None = None
         self._restore_t1: float | None = None
         self._restored_step: int | None = None
+        self.woke_t: float | None = None  # a standby's takeover: when it woke
         self.done = self.killed_t is None
+
+    def takeover(self, woke_t: float) -> None:
+        """This process is a standby that took over at ``woke_t`` (see the module)."""
+        self.woke_t = woke_t
 
     def restoring(self) -> None:
         if not self.done and self._restore_t0 is None:
@@ -91,13 +101,17 @@ class RestartClock:
     def parts(self, killed_t: float, now: float) -> dict[str, object]:
         """The restart's fields when the first step is at ``now``; the parts sum to the total."""
         a = killed_t
-        b = max(self.process_t, a)
+        b = max(self.process_t if self.woke_t is None else self.woke_t, a)
         loaded = self._restore_t0 is not None and self._restore_t1 is not None
         c = max(self._restore_t0 if self._restore_t0 is not None else self.ready_t, b)
         d = max(self._restore_t1, c) if loaded and self._restore_t1 is not None else c
         e = max(now, d)
         r = lambda v: round(v, 6)  # noqa: E731
+        extra: dict[str, object] = {}
+        if self.woke_t is not None:
+            extra = {"takeover": True, "wait_s": r(b - a), "open_s": r(c - b)}
         return {
+            **extra,
             "restart_seconds": r(e - a),
             "down_s": r(b - a),
             "start_s": r(c - b),

@@ -1,0 +1,218 @@
+"""The launcher's processes: one set of ranks (active or standby) started, watched, ended.
+
+Every member runs in a session of its own (``start_new_session``), so ending it ends whatever it
+started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal
+does not reach it twice. A standby member is started under ``SCHED_IDLE`` where the kernel
+allows it (its imports and model building then only use CPU the active run leaves idle) and
+gets two pipes: the launcher's ``go`` line arrives on one, it says ``ready`` on the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flashckpt.distributed.standby import role as roles
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (a fresh rendezvous for a new set)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _idle() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def normal_priority(pid: int) -> None:
+    """Every thread of process ``pid`` from ``SCHED_IDLE`` back to ``SCHED_OTHER`` (best effort:
+    a thread may end meanwhile, and the kernel may refuse)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError, AttributeError):
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
+def idle_allowed() -> bool:
+    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
+
+
+@dataclass
+class Member:
+    """One process of a set: rank ``rank``; ``go_w``/``ready_r`` the standby's pipe ends."""
+
+    proc: subprocess.Popen[bytes]
+    rank: int
+    go_w: int | None = None
+    ready_r: int | None = None
+    ready: bool = False
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def check_ready(self) -> bool:
+        if not self.ready and self.ready_r is not None:
+            try:
+                got = os.read(self.ready_r, 64)
+            except BlockingIOError:
+                return False
+            except OSError:
+                got = b""
+            self.ready = got.startswith(b"ready")
+            if not self.ready and not got:  # closed without a word (it died, or took over)
+                self._close_ready()
+        return self.ready
+
+    def _close_ready(self) -> None:
+        if self.ready_r is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.ready_r)
+            self.ready_r = None
+
+    def go(self, seen_dead_t: float) -> bool:
+        """Tell a standby to take over; False when its pipe is gone (it died)."""
+        if self.go_w is None:
+            return False
+        try:
+            os.write(self.go_w, roles.GO + f" {seen_dead_t!r}\n".encode())
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.go_w)
+            self.go_w = None
+        return True
+
+    def close_pipes(self) -> None:
+        if self.go_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.go_w)
+            self.go_w = None
+        self._close_ready()
+
+
+@dataclass
+class RankSet:
+    """The ``nproc`` ranks of one generation of the job (active, or its standby)."""
+
+    generation: int
+    standby: bool
+    port: int | None
+    members: list[Member] = field(default_factory=list)
+    started_t: float = field(default_factory=time.time)
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.members]
+
+    def codes(self) -> list[int | None]:
+        return [m.poll() for m in self.members]
+
+    def ready(self) -> bool:
+        return all(m.check_ready() for m in self.members)
+
+    def signal(self, sig: int) -> None:
+        for m in self.members:
+            if m.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(m.proc.pid, sig)
+
+    def end(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL every member's session and reap it."""
+        self.signal(signal.SIGKILL)
+        for m in self.members:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                m.proc.wait(timeout=timeout_s)
+            m.close_pipes()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(m.proc.pid, signal.SIGKILL)  # what the member left in its session
+
+    def go(self, seen_dead_t: float) -> bool:
+        """Promote a standby set: every member gets the go line (False: one could not) and
+        normal CPU priority at once (one still building the model must not do it at idle
+        priority now that it is the job; the standby also restores it itself, see wait.py)."""
+        sent = [m.go(seen_dead_t) for m in self.members]
+        for m in self.members:
+            normal_priority(m.proc.pid)
+        for m in self.members:
+            m._close_ready()
+        self.standby = False
+        return all(sent)
+
+
+def start_set(
+    cmd: Sequence[str],
+    *,
+    generation: int,
+    nproc: int,
+    standby: bool,
+    env: Mapping[str, str] | None = None,
+) -> RankSet:
+    """Start ``nproc`` copies of ``cmd`` (ranks 0..nproc-1; torchrun's variables when nproc > 1,
+    on a fresh rendezvous port). A member that cannot be started ends the ones that were."""
+    port = free_port() if nproc > 1 else None
+    rs = RankSet(generation=generation, standby=standby, port=port)
+    base = dict(os.environ if env is None else env)
+    for name in roles.ALL:
+        base.pop(name, None)
+    base["FLASHCKPT_RUN_GENERATION"] = str(generation)
+    try:
+        for rank in range(nproc):
+            rs.members.append(_start_member(cmd, rank, nproc, port, standby, base))
+    except BaseException:
+        rs.end()
+        raise
+    return rs
+
+
+def _start_member(
+    cmd: Sequence[str], rank: int, nproc: int, port: int | None, standby: bool, base: dict[str, str]
+) -> Member:
+    env = dict(base)
+    if nproc > 1:
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    if not standby:
+        return Member(proc=subprocess.Popen(list(cmd), env=env, start_new_session=True), rank=rank)
+    go_r, go_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    os.set_blocking(ready_r, False)
+    idle = idle_allowed()
+    lock = "writer" if nproc == 1 else f"rank-{rank}"
+    env.update(roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=idle))
+    try:
+        proc = subprocess.Popen(
+            list(cmd),
+            env=env,
+            start_new_session=True,
+            pass_fds=(go_r, ready_w),
+            preexec_fn=_idle if idle else None,
+        )
+    except BaseException:
+        for fd in (go_w, ready_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(go_r)
+        os.close(ready_w)
+    return Member(proc=proc, rank=rank, go_w=go_w, ready_r=ready_r)

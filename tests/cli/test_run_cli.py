@@ -1,0 +1,39 @@
+"""``flashckpt run``: bad usage is one line and exit 2; the script's exit code is the launcher's;
+restarts are bounded by --max-restarts (the standby behaviour: tests/distributed/standby/)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flashckpt.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["run"], "needs a command after --"),
+        (["run", "--"], "needs a command after --"),
+        (["run", "--nproc-per-node", "0", "--", "true"], "--nproc-per-node must be at least 1"),
+        (["run", "--standby", "2", "--", "true"], "--standby must be 0 or 1"),
+        (["run", "--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more"),
+    ],
+)
+def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_scripts_exit_code_and_bounded_restarts(tmp_path, capsys) -> None:
+    runs = tmp_path / "runs"
+    script = (
+        f"import pathlib, sys; p = pathlib.Path({str(runs)!r}); "
+        "p.write_text((p.read_text() if p.exists() else '') + 'x'); sys.exit(7)"
+    )
+    cmd = ["--", sys.executable, "-c", script]
+    assert main(["run", "--standby", "0", "--max-restarts", "2", *cmd]) == 7
+    assert runs.read_text() == "xxx"  # the first run and two restarts
+    assert "no restarts left" in capsys.readouterr().out
+    assert main(["run", "--standby", "0", "--", sys.executable, "-c", "pass"]) == 0

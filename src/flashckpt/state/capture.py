@@ -118,7 +118,7 @@ def hf_meta(value: Any) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for key, attr in (("hf_config", "config"), ("hf_generation_config", "generation_config")):
-        config = getattr(model, attr, None)
+        config: Any = getattr(model, attr, None)
         if not callable(getattr(config, "to_json_string", None)):
             continue
         try:  # the config's own JSON (dtypes as names), checked to be plain, finite JSON

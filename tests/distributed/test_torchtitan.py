@@ -153,3 +153,32 @@ def test_bytes_travel_as_base64_and_never_unpickle(tmp_path: Path) -> None:
         back.state = {}
         assert ck.restore({"dataloader": BytesState(back)}) == 1
     assert back.state == {"dp_rank_0": blob, "world_size": 1}
+
+
+class _Planted:
+    """A value whose unpickling would create a file (what a hostile checkpoint plants)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def test_value_blobs_are_read_without_running_code(tmp_path: Path, caplog) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    planted = tmp_path / "planted"
+    src = tmp_path / "titan"
+    state = {
+        "tok_embeddings.weight": torch.ones(4, 2),
+        "optimizer": {"state.tok_embeddings.weight.exp_avg": torch.zeros(4, 2)},
+        "train_state": {"step": 5, "evil": _Planted(str(planted))},
+    }
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    with caplog.at_level(logging.WARNING, logger="flashckpt"):
+        got = import_checkpoint(src, tmp_path / "ck", step=5, format="dcp")
+    assert not planted.exists()  # weights_only=True refused it; nothing ran
+    assert got["train_state"] == {"step": 5}
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "train_state.evil" in lines[0], lines

@@ -182,3 +182,32 @@ def test_value_blobs_are_read_without_running_code(tmp_path: Path, caplog) -> No
     assert got["train_state"] == {"step": 5}
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "train_state.evil" in lines[0], lines
+
+
+def test_a_name_keyed_optimizer_restores_into_torchtitans_container(tmp_path: Path) -> None:
+    """A step whose optimizer was saved keyed by name (OptimizerByName, or a DCP import made
+    before issue 31) restores into torchtitan's flat-form OptimizersContainer. Issue 31: this
+    crashed inside flashckpt with a raw ``KeyError: 'param_groups'`` (by_id read the
+    container's flat state_dict as torch.optim's)."""
+    from flashckpt.integrations.dcp_layout import OptimizerByName
+
+    src = State(0, 1, seed=0, fsdp=False)
+    src.train(2)
+    inner = src.optimizers.optimizers[0]
+    with flashckpt.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(2, {"model": src.model, "optimizer": OptimizerByName(src.model, inner)})
+    want = src.snapshot()
+    dst = State(0, 1, seed=9, fsdp=False)
+    with flashckpt.Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore({"model": dst.model, "optimizer": dst.optimizers}) == 2
+    got = dst.snapshot()
+    assert sorted(got["optim"]) == sorted(want["optim"])
+    for k, v in want["optim"].items():
+        g = got["optim"][k]
+        assert (
+            torch.equal(g, v)
+            if isinstance(v, torch.Tensor)
+            else tuple(g) == tuple(v)
+            if isinstance(v, (list, tuple))
+            else g == v
+        ), k

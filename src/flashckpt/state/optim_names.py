@@ -112,7 +112,15 @@ def by_id(
 ) -> Any:
     """``saved`` in ``optimizer``'s id-keyed form when it is keyed by name, else unchanged."""
     names: dict[int, str] | None = None
-    if is_flat_optimizer(saved) and not is_flat_optimizer(optimizer.state_dict()):
+    live_sd = optimizer.state_dict()
+    if is_flat_optimizer(live_sd):  # torchtitan's container: hand it its own flat form
+        if not is_by_name(saved):
+            return saved
+        # the live hyperparameters where none were saved (a DCP import carries no groups)
+        flat = {k: v for k, v in live_sd.items() if k.startswith("param_groups.")}
+        flat.update(flat_optimizer(saved))
+        return flat
+    if is_flat_optimizer(saved):
         names = param_names(state)
         groups = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
         saved = unflat_optimizer(saved, groups)
@@ -136,7 +144,7 @@ def by_id(
             "parameters of this optimizer (a different model?)",
             keys=[f"{entry}/state/{k}" for k in unknown],
         )
-    live = optimizer.state_dict()["param_groups"]
+    live = live_sd["param_groups"]
     return {
         "state": {index[f]: v for f, v in saved["state"].items()},
         "param_groups": _groups(saved["param_groups"], live, index, entry),

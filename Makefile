@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow torture lint typecheck browser bench gpu-check gpu-wheels clean
+.PHONY: demo test test-slow torture lint typecheck browser bench docs gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,12 @@ browser:
 	  fi; \
 	  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	    echo "make test: installing chromium failed; install it by hand (sudo apt-get install chromium)" >&2; exit 1; }; }
+
+# The documentation site (mkdocs + material, API reference by mkdocstrings), built offline in
+# strict mode (a broken link, anchor or API reference fails) into build/docs/. make test builds
+# it as well, in tests/test_docs.py.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/docs
 
 # two pytest workers (pytest-xdist; the tests wait on subprocesses, ranks and disks a lot, so
 # two workers overlap that waiting on 2 cores); TEST_WORKERS=0 runs them in this process

@@ -48,6 +48,7 @@ LEVEL: dict[str, float] = {
     "integrations": 9,
     "demo": 9,
     "cli": 10,
+    "__main__": 10,  # ``python -m flashckpt``: the program entry point, beside cli
 }
 SPAWNS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "Popen", "Process", "fork"}
 SPAWNING = {"engine", "distributed", "cli", "demo"}

@@ -36,6 +36,22 @@ def test_help_everywhere(capsys):
         assert f"usage: flashckpt {cmd[0]}" in capsys.readouterr().out, cmd
 
 
+def test_python_m_flashckpt_runs_the_cli(root):
+    """``python -m flashckpt`` is the CLI (issue 31: only ``python -m flashckpt.cli`` worked)."""
+    argv = [sys.executable, "-m", "flashckpt", "ls", str(root)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    steps = [x.split()[0] for x in out.stdout.splitlines() if x[:1].isdigit()]
+    assert steps == ["1", "2"], out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashckpt", "ls", str(root / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_ls_and_inspect(root, capsys):
     assert main(["ls", str(root)]) == 0
     out = capsys.readouterr().out

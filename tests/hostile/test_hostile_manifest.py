@@ -128,6 +128,23 @@ def test_parse_refuses_nonfinite_and_absurd_time():
             parse_manifest(data.encode())
 
 
+def test_entry_metadata_must_be_shallow_objects():
+    """The manifest's ``meta`` (an HF model's config, issue 31) is parsed as strictly as the
+    rest: an object of objects, no deeper than MAX_META_DEPTH; kept as given when it is."""
+    doc = {"format": "flashckpt", "version": 1, "step": 1, "chunks": [], "tensors": {}}
+    deep: dict[str, object] = {}
+    node = deep
+    for _ in range(40):
+        node["x"] = {}
+        node = node["x"]  # type: ignore[assignment]
+    for bad in ([1], {"model": 3}, {"model": deep}):
+        with pytest.raises(flashckpt.ManifestError, match="'meta'"):
+            parse_manifest(json.dumps({**doc, "meta": bad}).encode())
+    good = {"model": {"hf_config": {"model_type": "gpt2", "n_embd": 32}}}
+    assert parse_manifest(json.dumps({**doc, "meta": good}).encode()).meta == good
+    assert parse_manifest(json.dumps(doc).encode()).meta == {}
+
+
 @pytest.mark.parametrize("dtype", [">f4", ">i8", ">f8", ">u2"])
 def test_big_endian_arrays_round_trip_with_their_values(tmp_path, dtype):
     arr = (np.arange(7) * 1000 + 3).astype(dtype)

@@ -78,8 +78,87 @@ def test_gpt2_saved_by_the_trainer_callback_loads_with_from_pretrained(tmp_path:
     cb.close()
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "ckpt"), str(out), "--format", "hf"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    assert_loads_as(model, load_without_flashckpt(out, tmp_path))
+
+
+def tiny_gpt2() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    return trained(transformers.GPT2LMHeadModel(cfg))
+
+
+def test_plain_checkpointer_saves_the_config_and_exports_with_no_flags(tmp_path: Path) -> None:
+    """Issue 31: ``{"model": hf_model}`` saved by a plain Checkpointer, then ``export --format
+    hf`` with no flags, wrote no config.json and from_pretrained failed ("Unrecognized model")."""
+    model = tiny_gpt2()
+    model.generation_config.max_new_tokens = 7  # the generation config travels too
+    root = tmp_path / "ckpt"
+    with flashckpt.Checkpointer(root) as ck:
+        ck.save(3, {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+    doc = json.loads(next((root / "steps").glob("*.json")).read_bytes())  # plain JSON, no pickle
+    assert doc["meta"]["model"]["hf_config"]["model_type"] == "gpt2"
+    assert set(doc["meta"]) == {"model"}  # the optimizer is no transformers model
+    out = tmp_path / "hf"
+    argv = [sys.executable, "-m", "flashckpt", "export", str(root), str(out), "--format", "hf"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 7
+    assert json.loads((out / "config.json").read_text())["n_embd"] == 32
+    assert_loads_as(model, load_without_flashckpt(out, tmp_path))
+    # a restore ignores the metadata: the model loads back as it was saved
+    fresh = transformers.GPT2LMHeadModel(model.config)
+    with flashckpt.Checkpointer(root) as ck:
+        assert ck.restore({"model": fresh}, strict=False) == 3
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_no_config_anywhere_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    torch.manual_seed(0)
+    root = tmp_path / "ckpt"
+    with flashckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4)})  # not a transformers model: no config
+    out = tmp_path / "hf"
+    assert main(["export", str(root), str(out), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no model config" in err and "--config" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no out, no temp directory
+
+
+def test_a_failed_write_leaves_no_half_directory(tmp_path: Path, monkeypatch) -> None:
+    import safetensors.torch
+
+    model = tiny_gpt2()
+    root = tmp_path / "ckpt"
+    with flashckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": model})
+    calls = []
+
+    def failing(tensors: Any, path: str, metadata: Any = None) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        Path(path).write_bytes(b"x")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    out = tmp_path / "hf"
+    with pytest.raises(OSError):
+        export_hf(root, out, max_shard_size="20KiB")
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_older_steps_with_an_hf_config_entry_still_export(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    root = tmp_path / "ckpt"
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    with flashckpt.Checkpointer(root) as ck:  # the state the callback saved before issue 31
+        ck.save(1, {"model": dict(model.state_dict()), "hf_config": config})
+    assert json.loads(next((root / "steps").glob("*.json")).read_bytes()).get("meta") is None
+    out = tmp_path / "hf"
+    assert export_hf(root, out) == 1
     assert_loads_as(model, load_without_flashckpt(out, tmp_path))
 
 

@@ -36,6 +36,15 @@ def register_export(sub: Any) -> None:
         "hf: the entry holding the model, default model)",
     )
     p.add_argument(
+        "--layout",
+        choices=("dcp", "torchtitan"),
+        default=None,
+        help="dcp: DCP's nested layout ({'model': ..., 'optimizer': ...}) or torchtitan's "
+        "(model FQNs at the top level beside optimizer, lr_scheduler, train_state, "
+        "dataloader); default: torchtitan's when the entries are named as torchtitan names "
+        "them",
+    )
+    p.add_argument(
         "--config",
         default=None,
         help="hf: config.json (or a directory holding one) to write with the weights "
@@ -76,6 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from flashckpt.cli.roots import open_store, pick_step
 
     out = Path(args.out)
+    if args.layout is not None and (args.format != "dcp" or args.prefix):
+        raise ConfigError("--layout applies to --format dcp without --prefix")
     check_output(out, directory=args.format in ("dcp", "hf"))
     if args.format == "hf" or (args.format == "dcp" and not args.prefix):
         from flashckpt.integrations.interop import export
@@ -89,6 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 step=args.step,
                 prefix=args.prefix,
                 config=args.config,
+                layout=args.layout,
             ),
         )
         print(f"exported step {step} -> {args.out} ({args.format})")

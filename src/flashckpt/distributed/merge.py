@@ -53,6 +53,7 @@ def merge_parts(parts: Sequence[Manifest], *, step: int) -> Manifest:
         chunks=chunks,
         stats=_sum_stats([p.stats for p in parts]),
         library=parts[0].library,
+        meta=parts[0].meta,
     )
 
 

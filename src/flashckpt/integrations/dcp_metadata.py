@@ -31,6 +31,7 @@ from flashckpt.store.files import safeopen
 log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 256 << 20
+_UNREAD = "<flashckpt: not read>"  # a placeholder DCP plans a read for (None it drops)
 SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -136,35 +137,74 @@ def safe_reader(src: str | os.PathLike[str]) -> Any:
     return _SafeReader(str(src))
 
 
-def load_dcp(src: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def load_dcp(src: str | os.PathLike[str], *, values: bool = False) -> dict[str, Any]:
     """Every tensor of a DCP checkpoint, keyed by its flattened DCP name. Its metadata is read
-    with the restricted unpickler (:func:`~flashckpt.integrations.dcp_metadata.read_metadata`)."""
+    with the restricted unpickler (:func:`~flashckpt.integrations.dcp_metadata.read_metadata`).
+
+    DCP stores every other value (learning rates, step counters, a dataloader's bytes) as a
+    ``torch.save`` blob. With ``values=True`` those are read too, each with
+    ``torch.load(..., weights_only=True)`` (plain Python values and tensors only, no code runs);
+    otherwise, and for a blob that holds anything else, they are left out and named in one
+    summary line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not Path(src).is_dir():
         raise ConfigError(f"DCP checkpoint {src} is not a directory")
     metadata = read_metadata(src)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    skipped: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             check_fits(fqn, md.size, md.properties.dtype, src)
             state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        elif values:
+            state[fqn] = _UNREAD  # filled by _ValuePlanner.load_bytes
         else:
-            log.warning("import: skipping DCP entry %r (pickled bytes, not a tensor)", fqn)
-    if not state:
+            skipped.append(fqn)
+    if not any(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"DCP checkpoint {src} holds no tensors")
+    planner = _value_planner(skipped)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
-            dcp.load(state, storage_reader=safe_reader(src), no_dist=True)
+            dcp.load(state, storage_reader=safe_reader(src), planner=planner, no_dist=True)
     except FlashCkptError:
         raise
     except Exception as exc:
         raise ConfigError(
             f"cannot read the DCP checkpoint {src}: {type(exc).__name__}: {exc}"
         ) from None
+    for fqn in [k for k, v in state.items() if v is _UNREAD]:
+        del state[fqn]
+    if skipped:
+        shown = ", ".join(sorted(skipped)[:3])
+        log.warning(
+            "import: left out %d DCP value entries that are not tensors (%s%s)",
+            len(skipped),
+            shown,
+            ", ..." if len(skipped) > 3 else "",
+        )
     return state
+
+
+def _value_planner(skipped: list[str]) -> Any:
+    """DCP's load planner, reading value blobs with ``weights_only=True`` (never unpickling
+    code); a blob it refuses is appended to ``skipped``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _ValuePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except Exception:  # not plain data: left out, named in the summary line
+                skipped.append(fqn)
+                return
+            # the dict dcp.load was given (self.state_dict may be a flattened copy of it)
+            self.original_state_dict[fqn] = self.state_dict[fqn] = loaded
+
+    return _ValuePlanner(flatten_state_dict=False)
 
 
 def check_fits(key: str, size: Any, dtype: torch.dtype, src: Any) -> None:

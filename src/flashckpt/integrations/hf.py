@@ -12,9 +12,10 @@ Two pieces::
 :class:`FlashCkptCallback` saves ``{"model", "optim", "sched", "rng", "trainer"}`` through a
 :class:`~flashckpt.Checkpointer` (async, incremental, retention ``keep=``) and clears
 ``control.should_save``, so the Trainer writes no ``checkpoint-N`` directory of its own.
-``"trainer"`` is the ``TrainerState`` as JSON (global step, epoch, log history, ...);
-``"hf_config"`` the model's config as JSON, so ``flashckpt export ROOT DIR --format hf``
-writes the ``config.json`` that ``from_pretrained(DIR)`` needs.
+``"trainer"`` is the ``TrainerState`` as JSON (global step, epoch, log history, ...). The
+model's config and generation config go with every save of a ``transformers`` model (the
+manifest's ``meta``, state/capture.py), so ``flashckpt export ROOT DIR --format hf`` writes the
+``config.json`` that ``from_pretrained(DIR)`` needs.
 
 **Resuming.** :func:`resume` calls ``trainer.train(resume_from_checkpoint=...)`` with a
 temporary directory holding only that ``trainer_state.json``, so the Trainer's own resume logic
@@ -149,9 +150,6 @@ class FlashCkptCallback(TrainerCallback):  # type: ignore[misc]
         cbs = trainer_json.setdefault("stateful_callbacks", {})
         cbs[type(control).__name__] = control.state()
         out: dict[str, Any] = {"model": kw["model"], "rng": RNG(), "trainer": trainer_json}
-        config: Any = getattr(kw["model"], "config", None)
-        if hasattr(config, "to_json_string"):  # for export --format hf (config.json)
-            out["hf_config"] = json.loads(config.to_json_string(use_diff=False))
         if kw.get("optimizer") is not None:
             out["optim"] = unwrap(kw["optimizer"])
         if kw.get("lr_scheduler") is not None:

@@ -4,12 +4,17 @@
 holds the model (``prefix``, default ``"model"``; keys are the model's own ``state_dict`` names):
 
 - ``config.json``: the ``config=`` given (a dict, a ``PretrainedConfig``, a ``config.json`` file
-  or a directory holding one), else the ``hf_config`` entry of the saved state (the HF
-  ``FlashCkptCallback`` saves ``model.config`` there), else none — then ``from_pretrained``
-  needs ``config=`` from the caller;
+  or a directory holding one), else the config saved with the step: a ``transformers`` model
+  entry records its ``config`` in the manifest's ``meta`` at every save (state/capture.py), and
+  older checkpoints of the HF ``FlashCkptCallback`` carry it as an ``hf_config`` entry. With no
+  config anywhere the export raises :class:`ConfigError` and writes nothing;
+- ``generation_config.json``: the model's generation config, when the step carries one;
 - ``model.safetensors`` (metadata ``{"format": "pt"}``), or above ``max_shard_size`` (default
   5 GB, as ``save_pretrained``) ``model-0000i-of-0000n.safetensors`` shards and
   ``model.safetensors.index.json`` mapping each tensor to its shard.
+
+The directory appears whole or not at all: it is written under a temporary name beside ``out``
+and renamed into place last.
 
 A weight tied to another (``lm_head.weight`` to the embeddings, when the config says
 ``tie_word_embeddings``) is written once, as ``save_pretrained`` does; ``from_pretrained`` ties
@@ -21,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,7 @@ from flashckpt.units import parse_bytes
 log = logging.getLogger(__name__)
 
 CONFIG_ENTRY = "hf_config"
+GENERATION_ENTRY = "hf_generation_config"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10**9
 
@@ -88,24 +96,49 @@ def write_hf(
     out: str | os.PathLike[str],
     *,
     config: Mapping[str, Any] | None,
+    generation_config: Mapping[str, Any] | None = None,
     max_shard_size: int | str = DEFAULT_SHARD,
 ) -> list[Path]:
-    """Write ``weights`` (and ``config``) as a from_pretrained directory; the files written."""
+    """Write ``weights`` (and ``config``) as a from_pretrained directory; the files written.
+
+    Everything is written into a temporary directory beside ``out`` that is renamed to ``out``
+    last, so a failure leaves no half directory."""
     try:
         from safetensors.torch import save_file
     except ImportError as exc:
         raise ConfigError("export --format hf needs: pip install 'flashckpt[safetensors]'") from exc
     out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()):
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; hf output needs a new directory")
-    out_path.mkdir(parents=True, exist_ok=True)
+    max_bytes = parse_bytes(max_shard_size, name="max_shard_size")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the model directory is an ordinary one
+    try:
+        names = _write_files(tmp, weights, config, generation_config, max_bytes, save_file)
+        os.replace(tmp, out_path)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [out_path / n for n in names]
+
+
+def _write_files(
+    out_path: Path,
+    weights: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any] | None,
+    generation_config: Mapping[str, Any] | None,
+    max_bytes: int,
+    save_file: Any,
+) -> list[str]:
     drop = _tied_duplicates(weights, config or {})
     kept = {k: v.contiguous() for k, v in weights.items() if k not in drop}
-    shards = shard(kept, parse_bytes(max_shard_size, name="max_shard_size"))
-    files: list[Path] = []
-    if config is not None:
-        files.append(out_path / "config.json")
-        files[-1].write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    shards = shard(kept, max_bytes)
+    files: list[str] = []
+    for name, doc in (("config.json", config), ("generation_config.json", generation_config)):
+        if doc is not None:
+            (out_path / name).write_text(json.dumps(dict(doc), indent=2, sort_keys=True) + "\n")
+            files.append(name)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -113,14 +146,14 @@ def write_hf(
     )
     for name, part in zip(names, shards):
         save_file(part, str(out_path / name), metadata={"format": "pt"})
-        files.append(out_path / name)
+        files.append(name)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in kept.values())},
             "weight_map": {k: name for name, part in zip(names, shards) for k in part},
         }
-        files.append(out_path / INDEX_NAME)
-        files[-1].write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out_path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        files.append(INDEX_NAME)
     return files
 
 
@@ -148,15 +181,25 @@ def export_hf(
         raise ConfigError(
             f"entry {prefix!r} of step {saved.step} is not a flat state_dict (key {bad[0]!r})"
         )
+    meta = saved.manifest.meta.get(prefix, {})
     if config is not None:
-        cfg: dict[str, Any] | None = config_dict(config)
-    elif isinstance(saved.entries.get(CONFIG_ENTRY), Mapping):
+        cfg = config_dict(config)
+    elif isinstance(meta.get(CONFIG_ENTRY), Mapping):
+        cfg = dict(meta[CONFIG_ENTRY])
+    elif isinstance(saved.entries.get(CONFIG_ENTRY), Mapping):  # older FlashCkptCallback steps
         cfg = dict(saved.entries[CONFIG_ENTRY])
     else:
-        cfg = None
-        log.warning(
-            "export: step %d carries no %r entry; writing no config.json", saved.step, CONFIG_ENTRY
+        raise ConfigError(
+            f"step {saved.step} of {root} carries no model config for entry {prefix!r} (it was "
+            "not a transformers model when saved); pass --config DIR_OR_CONFIG_JSON"
         )
-    files = write_hf(weights, out, config=cfg, max_shard_size=max_shard_size)
+    generation = meta.get(GENERATION_ENTRY)
+    files = write_hf(
+        weights,
+        out,
+        config=cfg,
+        generation_config=generation if isinstance(generation, Mapping) else None,
+        max_shard_size=max_shard_size,
+    )
     log.info("exported step %d of %s as HF -> %s", saved.step, root, [f.name for f in files])
     return saved.step

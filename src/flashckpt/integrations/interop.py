@@ -115,17 +115,30 @@ def export(
     step: int | None = None,
     prefix: str | None = None,
     config: Any = None,
+    layout: str | None = None,
 ) -> int:
     """Export one step of ``root`` to ``out`` (a directory for ``dcp``); returns the step.
 
-    ``dcp`` without a prefix is the nested layout of :mod:`flashckpt.integrations.dcp_layout`;
+    ``dcp`` without a prefix is the nested layout of :mod:`flashckpt.integrations.dcp_layout`,
+    or torchtitan's (:mod:`flashckpt.integrations.torchtitan`) with ``layout="torchtitan"`` and,
+    when ``layout`` is None, whenever the step's entries are named as torchtitan names them;
     ``hf`` is a ``from_pretrained`` directory (:mod:`flashckpt.integrations.hf_export`).
     """
+    from flashckpt.integrations import torchtitan
+
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"format must be one of {EXPORT_FORMATS}, got {format!r}")
-    if format == "dcp" and prefix is None:  # nested, in DCP's own layout
+    if layout not in (None, *torchtitan.LAYOUTS):
+        raise ConfigError(f"layout must be one of {torchtitan.LAYOUTS}, got {layout!r}")
+    if layout is not None and (format != "dcp" or prefix is not None):
+        raise ConfigError("--layout applies to --format dcp without --prefix")
+    if format == "dcp" and prefix is None:  # nested, in DCP's own layout or torchtitan's
         from flashckpt.integrations.dcp_layout import export_dcp as export_nested
 
+        if layout == "torchtitan" or (
+            layout is None and torchtitan.is_torchtitan_entries(torchtitan.entry_names(root, step))
+        ):
+            return torchtitan.export_torchtitan(root, out, step=step)
         return export_nested(root, out, step=step)
     if format == "hf":
         from flashckpt.integrations.hf_export import export_hf
@@ -270,9 +283,23 @@ def import_checkpoint(
     fmt = format or detect_format(src)
     if fmt == "dcp":
         from flashckpt.integrations.dcp_layout import is_nested, nest_dcp
+        from flashckpt.integrations.torchtitan import is_torchtitan_dcp, nest_titan
 
-        flat = load_dcp(src)  # {"model": ..., "optim": ...} as dcp.save flattened it, or flat
-        state = nest_dcp(flat) if is_nested(flat) else as_state(flat, name=name)
+        # {"model": ..., "optim": ...} as dcp.save flattened it, torchtitan's layout, or flat
+        flat = load_dcp(src, values=True)
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        if is_torchtitan_dcp(flat):
+            state = nest_titan(flat)
+        else:
+            left = sorted(set(flat) - set(tensors))
+            if left:
+                log.warning(
+                    "import: left out %d DCP values that are not tensors (%s%s)",
+                    len(left),
+                    ", ".join(left[:3]),
+                    ", ..." if len(left) > 3 else "",
+                )
+            state = nest_dcp(tensors) if is_nested(tensors) else as_state(tensors, name=name)
     elif fmt == "safetensors":
         state = as_state(load_safetensors(src), name=name)
     elif fmt == "torch":

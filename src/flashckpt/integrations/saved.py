@@ -96,3 +96,24 @@ def full_tensors(
     if prefix:
         return {k[len(prefix) + 1 :]: v for k, v in loaded.items()}
     return dict(loaded)
+
+
+def rank_entries(saved: SavedStep, name: str) -> list[Any]:
+    """Entry ``name`` as every rank but 0 saved it (a per-rank entry such as a dataloader's
+    position lives in each rank's own tree); [] when no other rank holds one."""
+    from flashckpt.engine.restore.reader import read_tensors
+
+    trees = [
+        t[name]
+        for r, t in sorted(saved.manifest.rank_trees.items())
+        if r != "0" and isinstance(t, dict) and name in t
+    ]
+    if not trees:
+        return []
+    keys = [key for tree in trees for kind, key in tensor_refs(tree) if kind == "torch"]
+    tensors = read_tensors(open_root(saved.root), saved.manifest, keys)
+
+    def lookup(kind: str, key: str) -> Any:
+        return tensors.get(key)
+
+    return [decode_tree(tree, lookup) for tree in trees]

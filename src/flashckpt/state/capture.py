@@ -5,10 +5,17 @@ optimizers, schedulers, GradScaler, samplers, :class:`~flashckpt.RNG`, any State
 NumPy arrays, or JSON-able values. Capture calls ``state_dict()`` once per object and records
 references, not copies; the engine decides what to copy right away and what to stage later.
 Keys are saved without torch.compile's ``_orig_mod.`` segment (state/compiled.py).
+
+An entry that is a ``transformers`` model (a ``PreTrainedModel``, also inside DDP or
+torch.compile) also records its config and generation config as JSON in ``Captured.meta``
+(``{"model": {"hf_config": {...}, "hf_generation_config": {...}}}``; the manifest's ``meta``),
+so ``flashckpt export --format hf`` writes a directory ``from_pretrained`` loads with no flags.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +29,8 @@ from flashckpt.state.compiled import canonical
 from flashckpt.state.dtensor import local_shard
 from flashckpt.state.tree import Leaf, encode_tree
 from flashckpt.store.format.dtypes import little_endian_array, numpy_dtype_name, torch_dtype_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -52,6 +61,7 @@ class TensorItem:
 class Captured:
     tree: dict[str, Any] = field(default_factory=dict)
     items: list[TensorItem] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON per entry (see module docstring)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +95,42 @@ def capture(state: Mapping[str, Any]) -> Captured:
         out.tree[name] = tree
         with torch.no_grad():  # the byte views need no autograd record (nor a detach each)
             out.items.extend([_item(leaf) for leaf in leaves])
+        meta = hf_meta(value)
+        if meta:
+            out.meta[name] = meta
+    return out
+
+
+def _hf_model(value: Any) -> Any:
+    """``value`` (or the module DDP / torch.compile wrap) when it is a transformers model."""
+    for obj in (value, getattr(value, "module", None), getattr(value, "_orig_mod", None)):
+        if obj is not None and any(
+            c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+            for c in type(obj).__mro__
+        ):
+            return obj
+    return None
+
+
+def hf_meta(value: Any) -> dict[str, Any]:
+    """The config (and generation config) of a transformers model as JSON; {} for others."""
+    model = _hf_model(value)
+    if model is None:
+        return {}
+    out: dict[str, Any] = {}
+    for key, attr in (("hf_config", "config"), ("hf_generation_config", "generation_config")):
+        config: Any = getattr(model, attr, None)
+        if not callable(getattr(config, "to_json_string", None)):
+            continue
+        try:  # the config's own JSON (dtypes as names), checked to be plain, finite JSON
+            doc = json.loads(config.to_json_string(use_diff=False))
+            json.dumps(doc, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            name = type(model).__name__
+            log.warning("save: the %s of %s is not plain JSON (%s); not saved", attr, name, exc)
+            continue
+        if isinstance(doc, dict):
+            out[key] = doc
     return out
 
 

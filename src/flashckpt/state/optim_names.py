@@ -11,11 +11,16 @@ naming the optimizer's parameters through the modules restored with it
 (``restore({"model": model, "optim": optimizer})``). Saved ``param_groups`` must group the same
 parameters as the live ones; their hyperparameters are restored. Without saved groups the live
 optimizer keeps its own (learning rate, betas, ...).
+
+torchtitan's flat form (``{"state.<fqn>.exp_avg": t, "param_groups.<fqn>.lr": 0.01}``, what its
+``OptimizersContainer.state_dict`` returns and its DCP checkpoints hold) restores as is into an
+optimizer whose own ``state_dict`` has that form, and through :func:`unflat_optimizer` into a
+plain one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +43,60 @@ def is_by_name(tree: Any) -> bool:
     return named and (bool(tree["state"]) or bool(params) or not groups)
 
 
+def is_flat_optimizer(value: Any) -> bool:
+    """True for torchtitan's flat optimizer state (every key ``state.*`` or
+    ``param_groups.*``)."""
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in value)
+    )
+
+
+def flat_optimizer(by_name: Mapping[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state (``{"state": {fqn: {...}}, "param_groups": [...]}``) in
+    torchtitan's flat form."""
+    out: dict[str, Any] = {}
+
+    def put(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                put(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
+    for fqn, per in by_name["state"].items():
+        put(f"state.{fqn}", per)
+    for group in by_name["param_groups"]:
+        for fqn in group["params"]:
+            for key, value in group.items():
+                if key not in ("params", "param_names"):
+                    out[f"param_groups.{fqn}.{key}"] = value
+    return out
+
+
+def unflat_optimizer(flat: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """torchtitan's flat form back to FQN-keyed ``{"state", "param_groups"}``, grouped as
+    ``groups`` (the live optimizer's parameter names per param group; a name may contain
+    dots, so the longest name that prefixes a key wins)."""
+    names = sorted((n for g in groups for n in g), key=len, reverse=True)
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        fqn = next((n for n in names if rest.startswith(n + ".")), None)
+        if fqn is None:
+            raise StateMismatchError(
+                f"optimizer key {key!r} names no parameter of the optimizer; restore the model "
+                "it was saved with",
+                keys=[key],
+            )
+        leaf = rest[len(fqn) + 1 :]
+        (state if kind == "state" else hyper).setdefault(fqn, {})[leaf] = value
+    param_groups = [{**hyper.get(g[0], {}), "params": list(g)} for g in groups if g]
+    return {"state": state, "param_groups": param_groups if hyper else []}
+
+
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     """``id(parameter) -> FQN`` over the modules of ``state`` (canonical names, first wins)."""
     names: dict[int, str] = {}
@@ -52,9 +111,22 @@ def by_id(
     saved: Any, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, entry: str
 ) -> Any:
     """``saved`` in ``optimizer``'s id-keyed form when it is keyed by name, else unchanged."""
+    names: dict[int, str] | None = None
+    live_sd = optimizer.state_dict()
+    if is_flat_optimizer(live_sd):  # torchtitan's container: hand it its own flat form
+        if not is_by_name(saved):
+            return saved
+        # the live hyperparameters where none were saved (a DCP import carries no groups)
+        flat = {k: v for k, v in live_sd.items() if k.startswith("param_groups.")}
+        flat.update(flat_optimizer(saved))
+        return flat
+    if is_flat_optimizer(saved):
+        names = param_names(state)
+        groups = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+        saved = unflat_optimizer(saved, groups)
     if not is_by_name(saved):
         return saved
-    names = param_names(state)
+    names = names if names is not None else param_names(state)
     order = [p for g in optimizer.param_groups for p in g["params"]]
     fqns = [names.get(id(p)) for p in order]
     if None in fqns:
@@ -72,7 +144,7 @@ def by_id(
             "parameters of this optimizer (a different model?)",
             keys=[f"{entry}/state/{k}" for k in unknown],
         )
-    live = optimizer.state_dict()["param_groups"]
+    live = live_sd["param_groups"]
     return {
         "state": {index[f]: v for f, v in saved["state"].items()},
         "param_groups": _groups(saved["param_groups"], live, index, entry),

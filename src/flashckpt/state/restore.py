@@ -192,7 +192,17 @@ def _deliver(
         elif skipped:
             log.warning("restore: %r skipped (mismatched tensors, strict=False)", name)
         else:
-            value.load_state_dict(decoded)
+            try:
+                value.load_state_dict(decoded)
+            except KeyError as exc:  # the object wants a key the checkpoint lacks: one error
+                key = exc.args[0] if exc.args else "?"
+                raise StateMismatchError(
+                    f"restore: {name!r}.load_state_dict wants key {key!r}, which "
+                    f"checkpoint entry {name!r} does not hold (saved keys: "
+                    f"{sorted(map(str, decoded))[:5]}...); save and restore the same kind "
+                    "of object",
+                    keys=[f"{name}/{key}"],
+                ) from None
     elif isinstance(value, torch.Tensor):
         if decoded is not value:
             with torch.no_grad():

@@ -53,7 +53,7 @@ def _promotion(promotion: Promotion | None, replication: Replication | None) -> 
 
 
 class Checkpointer:
-    """Save and restore training state; see the README for the whole story.
+    """Save and restore training state; docs/guides/integration.md tells the whole story.
 
     ``save(step, state)`` returns a :class:`SaveHandle` (``staged`` and ``durable`` futures).
     With ``async_save=True`` it returns once the state is protected: at once when the state

@@ -68,6 +68,7 @@ def job_manifest(
         chunks=stored,
         stats=stats,
         library=ctx.library,
+        meta=captured.meta,
     )
     if drafted is not None:
         manifest.prerender_tensors(drafted.text)

@@ -33,6 +33,7 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_STEP = 10**15
 MAX_TREE_DEPTH = 200  # the depth state/tree.py encodes and decodes (its _MAX_DEPTH)
 MAX_SHARDS = 1 << 16  # per tensor
+MAX_META_DEPTH = 32  # entry metadata (an HF config nests a few levels)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,9 @@ class Manifest:
     chunks: list[ChunkRef] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     library: str = ""
+    # JSON about a state entry that restore never loads: {entry: {"hf_config": {...}}} (the
+    # config of a transformers model, so that export --format hf needs no flags)
+    meta: dict[str, Any] = field(default_factory=dict)
     # the JSON text of ``tensors``, rendered ahead (a save renders it while its chunks are
     # written); used only while ``tensors`` is that same dict with the same length
     _tensors_json: tuple[dict[str, TensorEntry], int, str] | None = field(
@@ -124,6 +128,8 @@ class Manifest:
             "rank_trees": self.rank_trees,
             "stats": self.stats,
         }
+        if self.meta:
+            doc["meta"] = self.meta
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
         return (head[:-1] + ',"tensors":' + tensors + "}").encode()
 
@@ -254,6 +260,7 @@ def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
         chunks=chunks,
         stats=_stats(doc.get("stats")),
         library=str(doc.get("library", "")),
+        meta=_meta(doc.get("meta"), where),
     )
 
 
@@ -276,6 +283,17 @@ def _parse_chunk(c: Any, where: str) -> ChunkRef:
 def _stats(stats: Any) -> dict[str, Any]:
     """Informational numbers: kept only when they are a shallow object."""
     return stats if isinstance(stats, dict) and depth_of(stats, limit=8) <= 8 else {}
+
+
+def _meta(meta: Any, where: str) -> dict[str, Any]:
+    """Entry metadata: an object of objects, no deeper than a state tree."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(v, dict) for v in meta.values()):
+        raise ManifestError(f"{where}: 'meta' must be an object of objects")
+    if depth_of(meta, limit=MAX_META_DEPTH) > MAX_META_DEPTH:
+        raise ManifestError(f"{where}: 'meta' is nested deeper than {MAX_META_DEPTH}")
+    return meta
 
 
 def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:

@@ -152,6 +152,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 for prob in rep.problems:
                     bar.note(f"DAMAGED {prob}")
     total = len(steps) - gone
+    for name in store.stray_names():
+        print(
+            f"ignored steps/{name!r}: not a canonical step name, so not a checkpoint "
+            "(planted or foreign; remove it)"
+        )
     print(f"{total - bad} of {total} checkpoints ok" + (f", {bad} damaged" if bad else ""))
     return 1 if bad else 0
 

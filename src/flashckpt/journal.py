@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 JOURNAL_NAME = "journal.jsonl"
 MAX_LINE_BYTES = 1 << 20  # longer lines are skipped (no event is anywhere near this)
 MAX_LINE_DEPTH = 16
+# A journal larger than this is read from its last MAX_JOURNAL_BYTES only (size from fstat,
+# before reading: a sparse "1 TiB journal" is not read through). A long run writes ~100 MiB.
+MAX_JOURNAL_BYTES = 256 << 20
 
 
 class Journal:
@@ -113,6 +116,7 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         log.warning("not reading journal %s: %s", p, exc)
         return
     with os.fdopen(fd, "rb") as f:
+        _skip_to_tail(f, p)
         while raw := f.readline(MAX_LINE_BYTES + 1):
             if len(raw) > MAX_LINE_BYTES:
                 while raw and not raw.endswith(b"\n"):  # skip the rest of the long line
@@ -121,6 +125,17 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             obj = parse_line(raw, where=str(p))
             if obj is not None:
                 yield obj
+
+
+def _skip_to_tail(f: Any, p: Path) -> None:
+    size = os.fstat(f.fileno()).st_size
+    if size <= MAX_JOURNAL_BYTES:
+        return
+    log.warning(
+        "journal %s is %d bytes; reading only its last %d bytes", p, size, MAX_JOURNAL_BYTES
+    )
+    f.seek(size - MAX_JOURNAL_BYTES)
+    f.readline(MAX_LINE_BYTES + 1)  # the rest of a line that started before the tail
 
 
 def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | None:

@@ -75,9 +75,7 @@ def test_padding_or_decoration_of_a_real_name_is_never_a_step(step, extra, where
 
 
 @pytest.mark.parametrize("name", NON_CANONICAL)
-def test_planted_non_canonical_names_are_ignored_by_readers_and_reported_by_verify(
-    tmp_path, name
-):
+def test_planted_non_canonical_names_are_ignored_by_readers_and_reported_by_verify(tmp_path, name):
     root = tmp_path / "root"
     with flashckpt.Checkpointer(root) as ckpt:
         ckpt.save(5, small_state(5.0))

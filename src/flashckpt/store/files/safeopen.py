@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-from flashckpt.errors import CorruptCheckpointError, StorageError
+from flashckpt.errors import ConfigError, CorruptCheckpointError, FlashCkptError, StorageError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {
@@ -131,20 +131,69 @@ def read_file(base: str | os.PathLike[str], rel: str, *, max_bytes: int = MAX_RE
     """All bytes of the regular file ``base/rel`` (at most ``max_bytes``, else damage)."""
     fd = open_nofollow(base, rel, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_bytes:
-            raise CorruptCheckpointError(
-                f"{Path(base) / rel} is {size} bytes, more than the {max_bytes} any valid file "
-                "of this kind holds; treating it as damage"
+        return read_fd(fd, max_bytes=max_bytes, where=Path(base) / rel)
+    finally:
+        os.close(fd)
+
+
+def read_fd(
+    fd: int,
+    *,
+    max_bytes: int,
+    where: str | os.PathLike[str],
+    error: type[FlashCkptError] = CorruptCheckpointError,
+) -> bytes:
+    """All bytes of the open regular file ``fd``, bounded *before* anything is read: its size
+    (``fstat``: a sparse file counts at its apparent size) must be at most ``max_bytes``; a
+    file that grows while it is read is cut off at ``max_bytes + 1`` bytes and refused."""
+    size = os.fstat(fd).st_size
+    if size > max_bytes:
+        raise _too_big(where, size, max_bytes, error)
+    chunks, total = [], 0
+    want = max(size, 1 << 16)
+    while total <= max_bytes:
+        got = os.read(fd, min(want, max_bytes + 1 - total))
+        if not got:
+            break
+        chunks.append(got)
+        total += len(got)
+        want = 1 << 16
+    if total > max_bytes:
+        raise _too_big(where, total, max_bytes, error)
+    return b"".join(chunks)
+
+
+def _too_big(
+    where: str | os.PathLike[str], size: int, max_bytes: int, error: type[FlashCkptError]
+) -> FlashCkptError:
+    return error(
+        f"{where} is {size} bytes, more than the {max_bytes} any valid file of this kind "
+        "holds; refusing to read it"
+    )
+
+
+def read_path(
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int,
+    what: str = "file",
+    error: type[FlashCkptError] = ConfigError,
+) -> bytes:
+    """All bytes of a file the user named (a config, a pointer, an import source): opened
+    non-blocking, refused unless it is a regular file (a FIFO, ``/dev/zero``, ``/dev/urandom``
+    or a directory is never read), and its size checked before reading (``max_bytes``).
+    Missing: FileNotFoundError. The path itself may be the user's symlink (it is theirs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a directory, not a file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(
+                f"{what} {path} is a {kind_of(st.st_mode)}, not a regular file; give a file"
             )
-        chunks = []
-        while True:
-            got = os.read(fd, max(size, 1 << 16))
-            if not got:
-                break
-            chunks.append(got)
-            size = 1 << 16
-        return b"".join(chunks)
+        return read_fd(fd, max_bytes=max_bytes, where=f"{what} {path}", error=error)
     finally:
         os.close(fd)
 

@@ -313,6 +313,5 @@ class Liveness:
         if self.root is None:
             self.backend.delete(path)
             return
-        dst = self.root / QUARANTINE_DIR
-        dst.mkdir(mode=0o700, exist_ok=True)
-        os.rename(self.root / path, dst / f"{Path(path).name}.{time.time_ns()}")
+        # through the gateway: a quarantine/ that is a symlink is refused, never followed
+        safeopen.rename_into(self.root, path, QUARANTINE_DIR, f"{Path(path).name}.{time.time_ns()}")

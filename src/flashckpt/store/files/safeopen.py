@@ -62,12 +62,29 @@ def _refused(base: Path, rel: str, exc: OSError) -> StorageError:
     return err
 
 
-def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = False) -> int:
-    """A directory fd for ``base/rel``, following no symlink below ``base``. With ``create``,
-    missing components are created (mode 0755 less the umask). Missing: FileNotFoundError."""
+def untrusted_dir(st: os.stat_result) -> str | None:
+    """Why a directory below a trusted anchor (``st``: its fstat) cannot be trusted: owned by
+    someone other than this user or root, or writable by others without the sticky bit (then
+    anyone could swap what is inside it). None when it can."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return f"writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def open_dir(
+    base: str | os.PathLike[str], rel: str = "", *, create: bool = False, mode: int = 0o755
+) -> int:
+    """A directory fd for ``base/rel``. ``base`` is the trusted anchor (the root as the user
+    gave it, or /dev/shm itself); below it, every component is opened without following a
+    symlink and must be trustworthy (:func:`untrusted_dir`: this user's or root's, not
+    writable by others unless sticky). With ``create``, missing components are created
+    (``mode`` less the umask). Missing: FileNotFoundError."""
     base = Path(base)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        done = []
         for part in check_relpath(rel).split("/") if rel else []:
             try:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
@@ -75,12 +92,20 @@ def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = Fals
                 if not create:
                     raise
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, mode, dir_fd=fd)
                 except FileExistsError:
                     pass
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
+            done.append(part)
+            problem = untrusted_dir(os.fstat(fd))
+            if problem:
+                raise StorageError(
+                    f"refusing {base / '/'.join(done)}: {problem}; whoever can write it could "
+                    "swap what flashckpt writes below it. Fix its owner or mode, or choose "
+                    "another path"
+                )
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -100,6 +125,8 @@ def open_nofollow(
     """An fd for the regular file ``base/rel`` opened with ``flags``; no symlink below ``base``
     is followed, and anything but a regular file is refused (never read, never truncated)."""
     head, _, name = check_relpath(rel).rpartition("/")
+    trunc = bool(flags & os.O_TRUNC)
+    flags &= ~os.O_TRUNC
     dfd = open_dir(base, head, create=create_dirs)
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
@@ -116,6 +143,15 @@ def open_nofollow(
             f"{Path(base) / rel} is a {kind_of(st.st_mode)}, not a regular file; flashckpt "
             "treats it as damage and does not read it (remove it)"
         )
+    if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+        os.close(fd)
+        raise StorageError(
+            f"refusing to write {Path(base) / rel}: it has {st.st_nlink} links (another name, "
+            "maybe outside the root, for the same file); flashckpt never writes through a hard "
+            "link. Remove it (and check who else can write this directory)"
+        )
+    if trunc:
+        os.ftruncate(fd, 0)  # only now: a refused file was never truncated
     return fd
 
 
@@ -233,6 +269,24 @@ def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
             raise
     finally:
         os.close(dfd)
+
+
+def rename_into(
+    base: str | os.PathLike[str], src: str, dst_dir: str, dst_name: str, *, mode: int = 0o700
+) -> None:
+    """Move ``base/src`` to ``base/dst_dir/dst_name``; ``dst_dir`` is created (``mode``) if
+    missing and, like every component, never followed: a ``quarantine/`` planted as a symlink
+    is refused, so damaged files are never moved to wherever it points."""
+    head, _, name = check_relpath(src).rpartition("/")
+    sfd = open_dir(base, head)
+    try:
+        dfd = open_dir(base, dst_dir, create=True, mode=mode)
+        try:
+            os.rename(name, check_relpath(dst_name), src_dir_fd=sfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
 def replace_in(dfd: int, src: str, dst: str) -> None:

@@ -62,7 +62,7 @@ def test_world_writable_parent_owned_by_another_user_is_refused(tmp_path, shm_na
     parent.mkdir()
     os.chmod(parent, 0o777)
     os.chown(parent, NOBODY, NOBODY)
-    with pytest.raises(flashckpt.ConfigError, match="writable by others|owned by uid"):
+    with pytest.raises(flashckpt.ConfigError, match=r"writable by others|owned by uid"):
         flashckpt.Checkpointer(tmp_path / "root", memory_tier=parent / "run")
     _nothing_created(parent)
 

@@ -83,7 +83,7 @@ class Journal:
         record.update(fields)
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            safeopen.make_anchor(self.path.parent)
             fd = safeopen.open_nofollow(
                 self.path.parent, self.path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT
             )

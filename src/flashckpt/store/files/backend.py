@@ -103,7 +103,7 @@ class LocalBackend:
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
         if create:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                safeopen.make_anchor(self.root)
             except OSError as exc:
                 raise StorageError(f"cannot create checkpoint root {self.root}: {exc}") from exc
 

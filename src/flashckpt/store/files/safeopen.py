@@ -18,9 +18,13 @@ the run marker, tiers.json, the root id, and the writer lock.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from flashckpt.errors import ConfigError, CorruptCheckpointError, FlashCkptError, StorageError
 
@@ -34,6 +38,27 @@ _KINDS = {
     stat.S_IFLNK: "symlink",
 }
 MAX_READ_BYTES = 1 << 30
+F = TypeVar("F", bound=Callable[..., Any])
+_inside = threading.local()
+
+
+def in_gateway() -> bool:
+    """True while this thread runs a gateway function: the audit-hook test
+    (tests/hostile/test_gateway_audit.py) fails on any file event under a root, a tier or a
+    memory tier raised outside one."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _gateway(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return wrapper  # type: ignore[return-value]
 
 
 def check_relpath(path: str) -> str:
@@ -73,6 +98,15 @@ def untrusted_dir(st: os.stat_result) -> str | None:
     return None
 
 
+@_gateway
+def make_anchor(path: str | os.PathLike[str], *, mode: int = 0o777) -> None:
+    """Create the directory ``path`` the user named as a root (an anchor: trusted as given,
+    its missing parents created as ``mkdir -p`` does). Everything below it goes through
+    :func:`open_dir`."""
+    Path(path).mkdir(mode=mode, parents=True, exist_ok=True)
+
+
+@_gateway
 def open_dir(
     base: str | os.PathLike[str], rel: str = "", *, create: bool = False, mode: int = 0o755
 ) -> int:
@@ -114,6 +148,7 @@ def open_dir(
     return fd
 
 
+@_gateway
 def open_nofollow(
     base: str | os.PathLike[str],
     rel: str,
@@ -163,6 +198,7 @@ def _not_regular(path: Path, exc: OSError) -> CorruptCheckpointError:
     )
 
 
+@_gateway
 def read_file(base: str | os.PathLike[str], rel: str, *, max_bytes: int = MAX_READ_BYTES) -> bytes:
     """All bytes of the regular file ``base/rel`` (at most ``max_bytes``, else damage)."""
     fd = open_nofollow(base, rel, os.O_RDONLY)
@@ -172,6 +208,7 @@ def read_file(base: str | os.PathLike[str], rel: str, *, max_bytes: int = MAX_RE
         os.close(fd)
 
 
+@_gateway
 def read_fd(
     fd: int,
     *,
@@ -208,6 +245,7 @@ def _too_big(
     )
 
 
+@_gateway
 def read_path(
     path: str | os.PathLike[str],
     *,
@@ -234,6 +272,7 @@ def read_path(
         os.close(fd)
 
 
+@_gateway
 def lstat_in(base: str | os.PathLike[str], rel: str) -> os.stat_result:
     """``lstat`` of ``base/rel`` without following any symlink below ``base``."""
     head, _, name = check_relpath(rel).rpartition("/")
@@ -252,6 +291,7 @@ def is_regular(base: str | os.PathLike[str], rel: str) -> bool:
         return False
 
 
+@_gateway
 def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
     """Remove ``base/rel`` (the link itself, if it is one); missing is fine. Never through a
     symlinked directory component (refused with StorageError)."""
@@ -271,6 +311,7 @@ def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
         os.close(dfd)
 
 
+@_gateway
 def rename_into(
     base: str | os.PathLike[str], src: str, dst_dir: str, dst_name: str, *, mode: int = 0o700
 ) -> None:
@@ -289,10 +330,12 @@ def rename_into(
         os.close(sfd)
 
 
+@_gateway
 def replace_in(dfd: int, src: str, dst: str) -> None:
     os.replace(src, dst, src_dir_fd=dfd, dst_dir_fd=dfd)
 
 
+@_gateway
 def write_file_atomic(
     base: str | os.PathLike[str], rel: str, data: bytes, *, fsync: bool = True, mode: int = 0o644
 ) -> None:
@@ -327,6 +370,7 @@ def write_file_atomic(
         os.close(dfd)
 
 
+@_gateway
 def unlink_quiet(dfd: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=dfd)

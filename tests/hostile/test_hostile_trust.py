@@ -179,3 +179,16 @@ def test_quarantine_moves_into_a_real_directory(tmp_path):
     moved = list((root / "quarantine").iterdir())
     assert len(moved) == 1 and moved[0].name.startswith(chunk.name)
     assert os.stat(root / "quarantine").st_mode & 0o777 == 0o700
+
+
+def test_reading_a_root_whose_directories_belong_to_another_user_still_works(tmp_path):
+    """Trust is checked for what flashckpt creates or writes: an evaluation job may read a
+    trainer's root (read-only restore, ls, verify) even when its directories are not its own."""
+    root = tmp_path / "root"
+    with flashckpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, small_state(1.0))
+    for sub in ("steps", "chunks"):
+        os.chown(root / sub, NOBODY, NOBODY)
+    assert flashckpt.restore(root, small_state()) == 1
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["verify", str(root)]) == 0

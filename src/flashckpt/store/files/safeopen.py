@@ -108,13 +108,19 @@ def make_anchor(path: str | os.PathLike[str], *, mode: int = 0o777) -> None:
 
 @_gateway
 def open_dir(
-    base: str | os.PathLike[str], rel: str = "", *, create: bool = False, mode: int = 0o755
+    base: str | os.PathLike[str],
+    rel: str = "",
+    *,
+    create: bool = False,
+    mode: int = 0o755,
+    write: bool = False,
 ) -> int:
     """A directory fd for ``base/rel``. ``base`` is the trusted anchor (the root as the user
     gave it, or /dev/shm itself); below it, every component is opened without following a
-    symlink and must be trustworthy (:func:`untrusted_dir`: this user's or root's, not
-    writable by others unless sticky). With ``create``, missing components are created
-    (``mode`` less the umask). Missing: FileNotFoundError."""
+    symlink. To create or write anything below it (``create`` or ``write``), every component
+    must also be trustworthy (:func:`untrusted_dir`: this user's or root's, not writable by
+    others unless sticky); reading another user's root stays possible. With ``create``,
+    missing components are created (``mode`` less the umask). Missing: FileNotFoundError."""
     base = Path(base)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -133,7 +139,7 @@ def open_dir(
             os.close(fd)
             fd = nfd
             done.append(part)
-            problem = untrusted_dir(os.fstat(fd))
+            problem = untrusted_dir(os.fstat(fd)) if create or write else None
             if problem:
                 raise StorageError(
                     f"refusing {base / '/'.join(done)}: {problem}; whoever can write it could "
@@ -162,7 +168,8 @@ def open_nofollow(
     head, _, name = check_relpath(rel).rpartition("/")
     trunc = bool(flags & os.O_TRUNC)
     flags &= ~os.O_TRUNC
-    dfd = open_dir(base, head, create=create_dirs)
+    writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    dfd = open_dir(base, head, create=create_dirs, write=writing)
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
     except OSError as exc:
@@ -178,7 +185,7 @@ def open_nofollow(
             f"{Path(base) / rel} is a {kind_of(st.st_mode)}, not a regular file; flashckpt "
             "treats it as damage and does not read it (remove it)"
         )
-    if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+    if writing and st.st_nlink > 1:
         os.close(fd)
         raise StorageError(
             f"refusing to write {Path(base) / rel}: it has {st.st_nlink} links (another name, "
@@ -297,7 +304,7 @@ def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
     symlinked directory component (refused with StorageError)."""
     head, _, name = check_relpath(rel).rpartition("/")
     try:
-        dfd = open_dir(base, head)
+        dfd = open_dir(base, head, write=True)
     except FileNotFoundError:
         return
     try:
@@ -319,7 +326,7 @@ def rename_into(
     missing and, like every component, never followed: a ``quarantine/`` planted as a symlink
     is refused, so damaged files are never moved to wherever it points."""
     head, _, name = check_relpath(src).rpartition("/")
-    sfd = open_dir(base, head)
+    sfd = open_dir(base, head, write=True)
     try:
         dfd = open_dir(base, dst_dir, create=True, mode=mode)
         try:

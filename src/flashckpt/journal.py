@@ -51,7 +51,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 JOURNAL_NAME = "journal.jsonl"
 MAX_LINE_BYTES = 1 << 20  # longer lines are skipped (no event is anywhere near this)
 MAX_LINE_DEPTH = 16
+# A journal larger than this is read from its last MAX_JOURNAL_BYTES only (size from fstat,
+# before reading: a sparse "1 TiB journal" is not read through). A long run writes ~100 MiB.
+MAX_JOURNAL_BYTES = 256 << 20
 
 
 class Journal:
@@ -80,7 +83,7 @@ class Journal:
         record.update(fields)
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            safeopen.make_anchor(self.path.parent)
             fd = safeopen.open_nofollow(
                 self.path.parent, self.path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT
             )
@@ -113,6 +116,7 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         log.warning("not reading journal %s: %s", p, exc)
         return
     with os.fdopen(fd, "rb") as f:
+        _skip_to_tail(f, p)
         while raw := f.readline(MAX_LINE_BYTES + 1):
             if len(raw) > MAX_LINE_BYTES:
                 while raw and not raw.endswith(b"\n"):  # skip the rest of the long line
@@ -123,6 +127,17 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 yield obj
 
 
+def _skip_to_tail(f: Any, p: Path) -> None:
+    size = os.fstat(f.fileno()).st_size
+    if size <= MAX_JOURNAL_BYTES:
+        return
+    log.warning(
+        "journal %s is %d bytes; reading only its last %d bytes", p, size, MAX_JOURNAL_BYTES
+    )
+    f.seek(size - MAX_JOURNAL_BYTES)
+    f.readline(MAX_LINE_BYTES + 1)  # the rest of a line that started before the tail
+
+
 def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | None:
     """One journal line as an event, or None when it is not a well-formed one."""
     try:
@@ -131,7 +146,7 @@ def parse_line(raw: bytes, *, where: str = JOURNAL_NAME) -> dict[str, Any] | Non
         )
     except FlashCkptError:
         return None  # a torn line from a crash mid-append, or garbage
-    return obj if _well_typed(obj) else None
+    return obj if well_typed(obj) else None
 
 
 _INT_FIELDS = (
@@ -146,17 +161,79 @@ _INT_FIELDS = (
 )
 
 
-def _well_typed(obj: dict[str, Any]) -> bool:
+# A journal time is a Unix time in seconds: between 1970 and the year 5138. Anything else
+# (t = 1e308, -1e308) is not a time any clock wrote, and would overflow the report's dates.
+MAX_T = 1e11
+# Integers every reader may turn into a float or a C long: |v| < 2**53 (a step is < 10**15;
+# a 401-digit step overflowed float() in status, report and the Prometheus exposition).
+MAX_INT = 1 << 53
+
+
+def well_typed(obj: Mapping[str, Any]) -> bool:
     """The fields every reader relies on have their documented types: ``event`` a string,
-    ``t`` a finite number, step/rank/pid fields an integer or null (a line that lies about
-    them is skipped whole rather than crashing the report or the interval policy)."""
+    ``t`` a finite Unix time, step/rank/pid fields an integer of sane size or null (a line
+    that lies about them is skipped whole rather than crashing the report or the interval
+    policy). Other numbers are checked by their readers (``report.summary.num``)."""
     t = obj.get("t")
     if not isinstance(obj.get("event"), str) or not isinstance(t, (int, float)):
         return False
-    if isinstance(t, bool) or not math.isfinite(t):
+    if isinstance(t, bool) or (isinstance(t, int) and abs(t) > MAX_INT):
+        return False
+    if not math.isfinite(t) or not 0 <= t < MAX_T:
         return False
     return all(_is_int_or_none(obj.get(k)) for k in _INT_FIELDS)
 
 
 def _is_int_or_none(v: Any) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and abs(v) < MAX_INT)
+
+
+class JournalTail:
+    """A journal read incrementally: each :meth:`poll` parses only the lines appended since
+    the last one (it remembers the byte offset; a torn last line is kept until it is
+    complete), so a reader that polls (the Prometheus exporter, once per scrape) costs what
+    was appended, not the whole journal. A journal that was replaced or truncated (another
+    inode, or shorter than the offset) is read again from the start."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        self.path = p / JOURNAL_NAME if p.is_dir() else p
+        self.lines_parsed = 0  # every line parse_line saw, for tests and the curious
+        self._inode: tuple[int, int] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> int:
+        """Read what was appended; the number of new well-formed events."""
+        try:
+            fd = safeopen.open_nofollow(self.path.parent, self.path.name, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0
+        except (OSError, FlashCkptError) as exc:
+            log.warning("not reading journal %s: %s", self.path, exc)
+            return 0
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != self._inode or st.st_size < self._offset:
+                self._reset()
+                self._inode = (st.st_dev, st.st_ino)
+                if st.st_size > MAX_JOURNAL_BYTES:
+                    _skip_to_tail(f, self.path)
+                    self._offset = f.tell()
+            f.seek(self._offset)
+            before = len(self.events)
+            while raw := f.readline(MAX_LINE_BYTES + 1):
+                self._offset += len(raw)
+                line, self._partial = self._partial + raw, b""
+                if not line.endswith(b"\n"):
+                    self._partial = line if len(line) <= MAX_LINE_BYTES else b""
+                    continue
+                self.lines_parsed += 1
+                obj = parse_line(line, where=str(self.path))
+                if obj is not None:
+                    self.events.append(obj)
+            return len(self.events) - before

@@ -4,6 +4,7 @@ for the whole package: options, CLI, planner)."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from flashckpt.errors import ConfigError
@@ -58,3 +59,17 @@ def format_bytes(num_bytes: float, *, significant: int | None = None) -> str:
             num = f"{value / scale:.{significant}g}" if significant else f"{value / scale:.2f}"
             return f"{sign}{num} {unit}"
     return f"{sign}{int(value)} B"
+
+
+MAX_NUMBER = 1e18  # seconds, bytes, steps read back from a journal: anything larger is garbage
+
+
+def finite_number(value: object, *, limit: float = MAX_NUMBER) -> float | None:
+    """``value`` as a float when it is a real number of sane size (``|v| <= limit``), else
+    None: bools, strings, NaN, infinities and 401-digit integers (which overflow ``float``) are
+    not numbers a journal writer produced. The one check every journal reader uses."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int):
+        return float(value) if abs(value) <= limit else None
+    return value if math.isfinite(value) and abs(value) <= limit else None

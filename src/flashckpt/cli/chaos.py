@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flashckpt.cli import argtypes
 from flashckpt.demo.chaos import METHODS, SMOKE_MODEL, run_chaos
 
 
@@ -19,17 +20,26 @@ def register(sub: Any) -> None:
         "same instants for every method) and restarting it; prints goodput, lost steps, save "
         "blocking, restore and restart seconds, and Daly's model at the measured costs.",
     )
-    p.add_argument("--minutes", type=float, default=30.0, help="wall time per method (default 30)")
-    p.add_argument("--mtbf-s", type=float, default=300.0, help="mean seconds between failures")
+    p.add_argument(
+        "--minutes", type=argtypes.minutes, default=30.0, help="wall time per method (default 30)"
+    )
+    p.add_argument(
+        "--mtbf-s",
+        type=argtypes.mtbf_s,
+        default=300.0,
+        help="mean seconds between failures (>= 1)",
+    )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    p.add_argument("--seed", type=int, default=0, help="seed of the failure times")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the failure times")
     p.add_argument("--dir", default="runs/chaos", help="working directory (default runs/chaos)")
     p.add_argument("--out", default=None, help="also write the JSON result here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
+    p.add_argument(
+        "--threads", type=argtypes.count, default=None, help="torch threads of the trainer"
+    )
     p.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
     p.add_argument(
         "--promote-every",
-        type=int,
+        type=argtypes.count,
         default=1,
         help="flashckpt copies every K-th memory-tier checkpoint to disk (default 1: all)",
     )

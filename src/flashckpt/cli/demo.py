@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashckpt.cli import argtypes
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -17,10 +19,16 @@ def register(sub: Any) -> None:
         "writes the report.",
     )
     p.add_argument("--dir", default=None, help="output directory (default: runs/demo-<time>)")
-    p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    p.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
-    p.add_argument("--crash-at", type=int, default=None, help="step at which to kill training")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (2: FSDP2 under torchrun on CPU)")
+    p.add_argument("--steps", type=argtypes.count, default=200, help="training steps (default 200)")
+    p.add_argument(
+        "--every", type=argtypes.count, default=20, help="checkpoint every N steps (default 20)"
+    )
+    p.add_argument(
+        "--crash-at", type=argtypes.count0, default=None, help="step at which to kill training"
+    )
+    p.add_argument(
+        "--nproc", type=argtypes.count, default=1, help="ranks (2: FSDP2 under torchrun on CPU)"
+    )
     p.set_defaults(func=run)
 
 

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from flashckpt.cli import argtypes
 from flashckpt.errors import ConfigError, FlashCkptError, StorageError
 from flashckpt.integrations.saved import full_tensors
 
@@ -26,7 +27,9 @@ def register_export(sub: Any) -> None:
     p.add_argument(
         "out", metavar="OUT", help="output file (a new directory for --format dcp and hf)"
     )
-    p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
+    p.add_argument(
+        "--step", type=argtypes.step, default=None, help="step to export (default: newest)"
+    )
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument(
         "--prefix",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from flashckpt.cli import argtypes
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -20,7 +22,9 @@ def register(sub: Any) -> None:
         help="DCP directory, .safetensors file or directory, or torch.save file",
     )
     p.add_argument("root", metavar="ROOT", help="flashckpt checkpoint root (created if missing)")
-    p.add_argument("--step", type=int, default=0, help="step number to save as (default: 0)")
+    p.add_argument(
+        "--step", type=argtypes.step, default=0, help="step number to save as (default: 0)"
+    )
     p.add_argument("--name", default="model", help="state entry for a flat state_dict")
     p.add_argument(
         "--format", choices=("dcp", "safetensors", "torch"), default=None, help="default: detect"

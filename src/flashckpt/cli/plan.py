@@ -12,6 +12,7 @@ import argparse
 import logging
 from typing import Any
 
+from flashckpt.cli import argtypes
 from flashckpt.errors import ConfigError
 from flashckpt.memory import (
     PRECISIONS,
@@ -32,6 +33,8 @@ from flashckpt.memory.hf import build_hf_model, hf_config, transformers_availabl
 from flashckpt.memory.recompute.planner import RecomputePlan
 from flashckpt.memory.sizing import FormulaSizer, TracedSizer, largest_batch
 from flashckpt.memory.units import format_bytes, parse_bytes
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.jsonfile import load_object
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +52,31 @@ def register(subparsers: Any) -> None:
         "--model", required=True, help=f"a name ({', '.join(known_shapes())}) or CONFIG.json"
     )
     p.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(known_gpus())}")
-    p.add_argument("--batch", type=int, required=True, help="micro-batch size per GPU")
-    p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
+    p.add_argument("--batch", type=argtypes.count, required=True, help="micro-batch size per GPU")
+    p.add_argument("--seq", type=argtypes.count, required=True, help="sequence length in tokens")
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS)
     p.add_argument("--optimizer-offload", action="store_true", help="optimizer state on CPU")
-    p.add_argument("--trainable-fraction", type=float, default=1.0, help="e.g. 0.01 for LoRA")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument(
+        "--trainable-fraction", type=argtypes.fraction, default=1.0, help="e.g. 0.01 for LoRA"
+    )
+    p.add_argument(
+        "--grad-accum", type=argtypes.count, default=1, help="micro-batches per optimizer step"
+    )
     p.add_argument("--dropout", choices=("on", "off"), default=None, help="default: the config's")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (FSDP=3)")
-    p.add_argument("--world-size", type=int, default=None, help="GPUs in the job (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (formula only)")
+    p.add_argument(
+        "--world-size", type=argtypes.count, default=None, help="GPUs in the job (default 1)"
+    )
+    p.add_argument(
+        "--tp", type=argtypes.count, default=1, help="tensor-parallel degree (formula only)"
+    )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--no-flash-attention", action="store_true", help="eager attention (formula)")
     p.add_argument("--method", default="auto", choices=("auto", "traced", "formula"))
     p.add_argument("--gpu-memory", default=None, help="override the GPU's memory, e.g. 20GiB")
-    p.add_argument("--gpu-hour-price", type=float, default=None, help="USD per GPU-hour")
+    p.add_argument("--gpu-hour-price", type=argtypes.price, default=None, help="USD per GPU-hour")
     p.set_defaults(func=run)
 
 
@@ -101,12 +112,25 @@ def _why_not_traced(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _model(args: argparse.Namespace) -> Any:
+    """``--model``: a catalog name, or a config.json read through the file gateway (a regular
+    file of bounded size: a FIFO, /dev/urandom or a sparse file is refused, never read)."""
+    path = args.model
+    if not path.endswith(".json"):
+        return path
+    try:
+        data = safeopen.read_path(path, max_bytes=16 << 20, what="model config")
+    except FileNotFoundError:
+        raise ConfigError(f"model config {path} does not exist; give a config.json") from None
+    return load_object(data, where=path, max_bytes=16 << 20, error=ConfigError)
+
+
 def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
     why = _why_not_traced(args)
     if why is None:
         try:
             dropout = None if args.dropout is None else args.dropout == "on"
-            model = build_hf_model(hf_config(args.model), dropout=dropout)
+            model = build_hf_model(hf_config(_model(args)), dropout=dropout)
             sizer = TracedSizer(model, **_base(args, traced=True))
             return sizer, "traced: one real training step of the HF model on fake tensors"
         except ConfigError as exc:
@@ -115,7 +139,7 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
             why = f"cannot build the model ({exc})"
     if args.method == "traced":
         raise ConfigError(f"--method traced is not possible here: {why}")
-    formula = FormulaSizer(resolve_shape(args.model), **_base(args, traced=False))
+    formula = FormulaSizer(resolve_shape(_model(args)), **_base(args, traced=False))
     return formula, f"formula estimate (closed forms; {why})"
 
 

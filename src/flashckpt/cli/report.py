@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from flashckpt.cli import argtypes
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.report.html import write_report
 from flashckpt.report.summary import load_events, summarize
@@ -23,9 +24,15 @@ def register(subparsers: Any) -> None:
         "-o", "--output", default="report.html", help="HTML file to write (default: report.html)"
     )
     p.add_argument(
-        "--gpu-hour-price", type=float, default=None, metavar="P", help="price per GPU hour"
+        "--gpu-hour-price",
+        type=argtypes.price,
+        default=None,
+        metavar="P",
+        help="price per GPU hour",
     )
-    p.add_argument("--gpus", type=int, default=None, help="GPUs billed (default: ranks seen)")
+    p.add_argument(
+        "--gpus", type=argtypes.count, default=None, help="GPUs billed (default: ranks seen)"
+    )
     p.set_defaults(func=run)
 
 

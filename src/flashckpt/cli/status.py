@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flashckpt.cli import argtypes
 from flashckpt.errors import ConfigError
 from flashckpt.report.summary import load_events, summarize
 from flashckpt.report.terminal import format_status
@@ -21,9 +22,15 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("root", metavar="ROOT", help="checkpoint root (holds journal.jsonl)")
     p.add_argument(
-        "--gpu-hour-price", type=float, default=None, metavar="P", help="price per GPU hour"
+        "--gpu-hour-price",
+        type=argtypes.price,
+        default=None,
+        metavar="P",
+        help="price per GPU hour",
     )
-    p.add_argument("--gpus", type=int, default=None, help="GPUs billed (default: ranks seen)")
+    p.add_argument(
+        "--gpus", type=argtypes.count, default=None, help="GPUs billed (default: ranks seen)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flashckpt.cli import argtypes
 from flashckpt.cli.progress import Progress
 from flashckpt.cli.roots import open_store, pick_step
 from flashckpt.errors import FlashCkptError, NoCheckpointError
@@ -35,12 +36,16 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("inspect", help="show tensors, dtypes, shapes and non-tensor state")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--step", type=int, default=None, help="step to inspect (default: newest)")
+    p.add_argument(
+        "--step", type=argtypes.step, default=None, help="step to inspect (default: newest)"
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="re-hash every chunk; exit 1 on damage")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--step", type=int, default=None, help="verify one step (default: all)")
+    p.add_argument(
+        "--step", type=argtypes.step, default=None, help="verify one step (default: all)"
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="delete chunks no checkpoint references")
@@ -49,8 +54,8 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("diff", help="which tensors changed between two steps, and by how much")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("a", type=int, metavar="A")
-    p.add_argument("b", type=int, metavar="B")
+    p.add_argument("a", type=argtypes.step, metavar="A")
+    p.add_argument("b", type=argtypes.step, metavar="B")
     p.set_defaults(func=cmd_diff)
 
     from flashckpt.cli.export import register_export
@@ -152,6 +157,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 for prob in rep.problems:
                     bar.note(f"DAMAGED {prob}")
     total = len(steps) - gone
+    for name in store.stray_names():
+        print(
+            f"ignored steps/{name!r}: not a canonical step name, so not a checkpoint "
+            "(planted or foreign; remove it)"
+        )
     print(f"{total - bad} of {total} checkpoints ok" + (f", {bad} damaged" if bad else ""))
     return 1 if bad else 0
 

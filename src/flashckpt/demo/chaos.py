@@ -78,8 +78,13 @@ def run_chaos(
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ConfigError(f"unknown chaos method(s) {bad}; choose from {', '.join(METHODS)}")
-    if minutes <= 0 or mtbf_s <= 0:
-        raise ConfigError("chaos needs --minutes > 0 and --mtbf-s > 0")
+    # NaN compares false with everything (it passed "<= 0" and hung the run), inf never ends,
+    # and an MTBF under a second only kills
+    if not (0 < minutes <= 7 * 24 * 60) or not (1 <= mtbf_s <= 1e9):
+        raise ConfigError(
+            f"chaos needs 0 < --minutes <= 10080 and 1 <= --mtbf-s <= 1e9 (finite), got "
+            f"{minutes!r} and {mtbf_s!r}"
+        )
     if not isinstance(promote_every, int) or promote_every < 1:
         raise ConfigError(f"chaos needs --promote-every >= 1, got {promote_every!r}")
     out = out.absolute()

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from flashckpt.errors import ConfigError
+from flashckpt.store.files import safeopen
+from flashckpt.store.files.jsonfile import load_object
 from flashckpt.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ CONFIG_ENTRY = "hf_config"
 GENERATION_ENTRY = "hf_generation_config"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10**9
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -54,13 +57,11 @@ def config_dict(config: Any) -> dict[str, Any]:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    try:  # a regular file, its size checked before reading (a FIFO or /dev/zero is refused)
+        data = safeopen.read_path(path, max_bytes=MAX_CONFIG_BYTES, what="config")
+    except OSError as exc:
         raise ConfigError(f"cannot read a config.json from {config}: {exc}") from exc
-    if not isinstance(out, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return out
+    return load_object(data, where=str(path), max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
 
 
 def _tied_duplicates(weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> set[str]:

@@ -47,6 +47,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from flashckpt.engine.runtime.checkpointer import Checkpointer
 from flashckpt.errors import ConfigError, ManifestError
+from flashckpt.store.files import safeopen
 from flashckpt.store.gc import collect_garbage
 
 log = logging.getLogger(__name__)
@@ -172,12 +173,12 @@ def read_pointer(path: Any) -> tuple[pathlib.Path, int]:
     """``(root, step)`` from a FlashCkptIO pointer file; ConfigError for anything else."""
     p = pathlib.Path(path)
     try:
-        raw = p.read_bytes()[:_MAX_POINTER_BYTES]
+        raw = safeopen.read_path(p, max_bytes=_MAX_POINTER_BYTES, what="Lightning checkpoint")
         doc = json.loads(raw)
         root, step = pathlib.Path(doc[POINTER_KEY]), doc["step"]
     except FileNotFoundError:
         raise ConfigError(f"Lightning checkpoint {path} does not exist") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:  # ConfigError: not a small regular file
         raise ConfigError(
             f"{path} is not a FlashCkptIO pointer file (a regular Lightning .ckpt?); load it "
             "without the FlashCkptIO plugin, or import it: flashckpt import FILE ROOT"

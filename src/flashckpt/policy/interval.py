@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from flashckpt.errors import ConfigError
+from flashckpt.units import finite_number
 
 __all__ = [
     "CrashHistory",
@@ -117,9 +118,7 @@ def primary_events(events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any
 
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    return finite_number(value)
 
 
 def crash_history(events: Iterable[Mapping[str, Any]]) -> CrashHistory:

@@ -1,8 +1,10 @@
 """Prometheus metrics: a textfile for node-exporter's textfile collector, or an HTTP endpoint.
 
 The textfile needs nothing beyond the standard library. The HTTP endpoint uses
-``prometheus_client`` (``pip install 'flashckpt[metrics]'``) and re-reads the journal on each
-scrape, so it always shows the current numbers.
+``prometheus_client`` (``pip install 'flashckpt[metrics]'``), listens on 127.0.0.1 unless told
+otherwise, and reads the journal incrementally: each scrape parses only the lines appended since
+the last one (:class:`~flashckpt.journal.JournalTail`), and summarizes again only when there
+were any.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.errors import ConfigError
+from flashckpt.journal import JournalTail
 from flashckpt.report.summary import Event, RunSummary, load_events, summarize
 
 log = logging.getLogger(__name__)
@@ -187,11 +190,12 @@ def write_prometheus_textfile(
 class PrometheusExporter:
     """Serve the metrics of checkpoint ``root`` over HTTP (``prometheus_client``'s server).
 
-    ``start()`` binds ``addr:port`` (``port=0`` picks a free one, see ``.port``) in a daemon
-    thread; each scrape re-reads the journal. ``close()`` stops the server.
+    ``start()`` binds ``addr:port`` (default 127.0.0.1: only this host; pass ``addr="0.0.0.0"``
+    to serve every interface; ``port=0`` picks a free one, see ``.port``) in a daemon thread;
+    each scrape reads what the journal gained since the last. ``close()`` stops the server.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, port: int = 9464, addr: str = "0.0.0.0"):
+    def __init__(self, root: str | os.PathLike[str], *, port: int = 9464, addr: str = "127.0.0.1"):
         try:
             import prometheus_client  # noqa: F401
         except ImportError as exc:
@@ -203,11 +207,20 @@ class PrometheusExporter:
             raise ConfigError(f"port must be an int in 0..65535, got {port!r}")
         self.root, self.addr, self.port = Path(root), addr, port
         self._server: Any = None
+        self.tail = JournalTail(self.root)
+        self._summary: RunSummary | None = None
+
+    def summary(self) -> RunSummary:
+        """The run summary as of now: the journal's new lines parsed, summarized again only
+        when there were any."""
+        if self.tail.poll() or self._summary is None:
+            self._summary = summarize(self.tail.events)
+        return self._summary
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        summary = summarize(load_events(self.root))
+        summary = self.summary()
         for name, kind, help_text, value in _samples(summary):
             if kind == "counter":
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)

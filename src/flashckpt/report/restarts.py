@@ -5,19 +5,19 @@ wait and the opening of its Checkpointer) and the cold ones (a new process)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashckpt.units import finite_number
+
 PARTS = ("down", "start", "restore", "first_step")
 
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) and value >= 0 else None
+    v = finite_number(value)
+    return v if v is not None and v >= 0 else None
 
 
 @dataclass(frozen=True, kw_only=True)

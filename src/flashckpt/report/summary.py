@@ -23,7 +23,6 @@ can compare checkpoint throughput with what the device can do.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,18 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.errors import ConfigError
-from flashckpt.journal import read_events
+from flashckpt.journal import read_events, well_typed
 from flashckpt.policy.interval import crash_history, primary_events
 from flashckpt.report.restarts import restart_stats
+from flashckpt.units import finite_number
 
 Event = Mapping[str, Any]
 
 
 def num(value: Any) -> float | None:
-    """``value`` as a finite float, or ``None`` (bools, strings and NaN are not numbers)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    """``value`` as a finite float of sane size, or ``None`` (:func:`units.finite_number`)."""
+    return finite_number(value)
 
 
 def load_events(root_or_events: str | Path | Iterable[Event]) -> list[Event]:
@@ -55,7 +53,7 @@ def load_events(root_or_events: str | Path | Iterable[Event]) -> list[Event]:
                 "or a journal file"
             )
         return list(read_events(path))
-    return [e for e in root_or_events if isinstance(e, Mapping) and "event" in e]
+    return [e for e in root_or_events if isinstance(e, Mapping) and well_typed(e)]
 
 
 @dataclass(frozen=True, kw_only=True)

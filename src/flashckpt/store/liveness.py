@@ -55,7 +55,13 @@ from flashckpt.store.files import safeopen
 from flashckpt.store.files.backend import Backend
 from flashckpt.store.format import codec as codecs
 from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
-from flashckpt.store.format.names import PART_RE, STEP_RE, chunk_path, parse_chunk_name, step_name
+from flashckpt.store.format.names import (
+    chunk_path,
+    parse_chunk_name,
+    parse_part_name,
+    parse_step_name,
+    step_name,
+)
 from flashckpt.store.lock import RootLock
 from flashckpt.store.pins import Pin, Window
 
@@ -161,7 +167,7 @@ class Liveness:
             names = {
                 f"steps/{n}"
                 for n in self.backend.list("steps")
-                if STEP_RE.match(n) or PART_RE.match(n)
+                if parse_step_name(n) is not None or parse_part_name(n) is not None
             }
             for gone in set(self._manifests) - names:
                 self._drop(gone)
@@ -307,6 +313,5 @@ class Liveness:
         if self.root is None:
             self.backend.delete(path)
             return
-        dst = self.root / QUARANTINE_DIR
-        dst.mkdir(mode=0o700, exist_ok=True)
-        os.rename(self.root / path, dst / f"{Path(path).name}.{time.time_ns()}")
+        # through the gateway: a quarantine/ that is a symlink is refused, never followed
+        safeopen.rename_into(self.root, path, QUARANTINE_DIR, f"{Path(path).name}.{time.time_ns()}")

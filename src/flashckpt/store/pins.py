@@ -30,6 +30,8 @@ from typing import Protocol
 
 from flashckpt.errors import FlashCkptError, StorageError
 from flashckpt.store.files.backend import Backend
+from flashckpt.store.files.jsonfile import load_json
+from flashckpt.store.files.limits import MAX_PIN_BYTES
 from flashckpt.store.format.manifest import HASH_RE, ChunkRef
 from flashckpt.store.lock import RootLock
 
@@ -148,7 +150,7 @@ def read_pins(backend: Backend) -> list[PinRecord]:
             data = backend.read(f"{PIN_DIR}/{name}")
         except FileNotFoundError:
             continue  # released between list and read: nothing to keep
-        except OSError as exc:
+        except (OSError, FlashCkptError) as exc:  # FlashCkptError: too large to be a pin
             raise PinReadError(f"cannot read pin {backend.url}/{PIN_DIR}/{name}: {exc}") from exc
         try:
             out.append(parse_pin(name, data, where=f"{backend.url}/{PIN_DIR}/{name}"))
@@ -193,12 +195,13 @@ def _dead_writer_of(name: str) -> int | None:
 
 def parse_pin(name: str, data: bytes, *, where: str) -> PinRecord:
     try:
-        doc = json.loads(data)
+        doc = load_json(data, where=where, max_bytes=MAX_PIN_BYTES, max_depth=4, error=PinReadError)
         hashes = doc["hashes"]
         ok = (
             isinstance(doc, dict)
             and isinstance(doc["host"], str)
             and isinstance(doc["pid"], int)
+            and 0 <= doc["pid"] < 1 << 31  # a pid: os.kill of a 401-digit one overflows
             and doc.get("state", "open") in ("open", "failed")
             and isinstance(hashes, list)
             and all(isinstance(h, str) and HASH_RE.match(h) for h in hashes)
@@ -217,7 +220,14 @@ def parse_pin(name: str, data: bytes, *, where: str) -> PinRecord:
             time_s=float(doc.get("time", 0.0)),
             hashes=list(hashes),
         )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        UnicodeDecodeError,
+        OverflowError,
+        PinReadError,
+    ) as exc:
         raise PinReadError(
             f"pin {where} is unreadable ({exc}); garbage collection keeps everything until it "
             "is fixed: remove the file by hand only if no save or promotion is running"

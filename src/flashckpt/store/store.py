@@ -20,7 +20,16 @@ from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpoint
 from flashckpt.store.files.backend import Backend, Buffer, StagedFile
 from flashckpt.store.format import codec as codecs
 from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
-from flashckpt.store.format.names import PART_RE, STEP_RE, chunk_path, part_name, step_name
+from flashckpt.store.format.names import (
+    PART_RE,
+    STEP_RE,
+    chunk_path,
+    parse_part_name,
+    parse_step_name,
+    part_name,
+    step_name,
+    stray_step_names,
+)
 from flashckpt.store.liveness import Liveness, liveness_for
 
 log = logging.getLogger(__name__)
@@ -200,10 +209,14 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         out = []
         for n in self.backend.list("steps"):
-            m = STEP_RE.match(n)
-            if m:
-                out.append(int(m.group(1)))
+            step = parse_step_name(n)  # the one parser: a non-canonical name is no step
+            if step is not None:
+                out.append(step)
         return sorted(out)
+
+    def stray_names(self) -> list[str]:
+        """Files in ``steps/`` under no canonical name (planted or foreign): never a step."""
+        return stray_step_names(self.backend.list("steps"))
 
     def load_manifest(self, step: int, *, name: str | None = None) -> Manifest:
         path = name or step_name(step)
@@ -226,7 +239,7 @@ class CheckpointStore:
         return self.liveness.still_listed(step)
 
     def part_names(self) -> list[str]:
-        return [n for n in self.backend.list("steps") if PART_RE.match(n)]
+        return [n for n in self.backend.list("steps") if parse_part_name(n) is not None]
 
 
 def _missing(ref: ChunkRef, step: int | None, key: str | None) -> CorruptCheckpointError:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from flashckpt.cli import argtypes
 from flashckpt.cli.bench.impl import SaveBenchConfig, run_save_bench
 from flashckpt.cli.bench.loop import LoopConfig, run_gil_probe, run_loop_bench, run_rss_series
 from flashckpt.errors import ConfigError
@@ -42,14 +43,16 @@ def register(subparsers: Any) -> None:
         "saves, background-persist GIL cost and training-loop overhead. Prints a markdown "
         "table with PASS/FAIL per target and writes JSON.",
     )
-    p.add_argument("--size-gb", type=float, default=1.2, help="state size in GB (default 1.2)")
+    p.add_argument(
+        "--size-gb", type=argtypes.size_gb, default=1.2, help="state size in GB (default 1.2)"
+    )
     p.add_argument("--out", default="bench.json", help="JSON file to write (default bench.json)")
     p.add_argument(
         "--dir", default=None, help="where saves are written (default: a temp dir on disk)"
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test)")
     p.add_argument("--gpu", action="store_true", help="state and model on CUDA")
-    p.add_argument("--repeats", type=int, default=3, help="repeats per method (median)")
+    p.add_argument("--repeats", type=argtypes.count, default=3, help="repeats per method (median)")
     p.add_argument(
         "--parts",
         default=",".join(DEFAULT_PARTS),

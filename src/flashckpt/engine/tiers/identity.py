@@ -65,15 +65,44 @@ def check_tier_dir(path: Path) -> None:
         )
 
 
+SHM = Path("/dev/shm")
+
+
+def trust_anchor(path: Path) -> Path:
+    """Where trust in a memory-tier path starts: /dev/shm itself for a path below it (anyone
+    can write /dev/shm, so nothing below it is trusted unchecked), else the directory above
+    the deepest ancestor that exists (what exists is checked, what is missing is created)."""
+    if path.is_relative_to(SHM) and path != SHM:
+        return SHM
+    existing = path.parent
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    return existing.parent
+
+
 def prepare_memory_dir(path: Path) -> None:
-    """Create the memory-tier directory mode 0700 (its parents as usual), then check it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Create the memory-tier directory mode 0700, its missing parents 0700 too, then check
+    it. Every ancestor from the trust anchor (:func:`trust_anchor`) down is opened without
+    following a symlink and must be this user's or root's, not writable by others unless
+    sticky (``safeopen.open_dir``): a /dev/shm/X planted by another user as a symlink, or as
+    a world-writable directory in which the tier could be swapped, is refused."""
+    path = Path(os.path.abspath(path))
+    anchor = trust_anchor(path)
+    rel = path.parent.relative_to(anchor).as_posix()
     try:
-        os.mkdir(path, 0o700)
+        dfd = safeopen.open_dir(anchor, "" if rel == "." else rel, create=True, mode=0o700)
+    except StorageError as exc:
+        raise ConfigError(f"memory tier {path}: {exc}") from None
+    except OSError as exc:
+        raise StorageError(f"cannot create memory tier {path}: {exc.strerror}") from exc
+    try:
+        os.mkdir(path.name, 0o700, dir_fd=dfd)
     except FileExistsError:
         pass
     except OSError as exc:
         raise StorageError(f"cannot create memory tier {path}: {exc.strerror}") from exc
+    finally:
+        os.close(dfd)
     check_tier_dir(path)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.directio import write_parts
+from flashckpt.store.files.limits import read_limit
 from flashckpt.store.files.safeopen import check_relpath
 from flashckpt.store.files.safeopen import storage_error as _storage_error
 from flashckpt.store.files.safeopen import unlink_quiet as _unlink_quiet
@@ -102,7 +103,7 @@ class LocalBackend:
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
         if create:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                safeopen.make_anchor(self.root)
             except OSError as exc:
                 raise StorageError(f"cannot create checkpoint root {self.root}: {exc}") from exc
 
@@ -211,12 +212,12 @@ class LocalBackend:
             raise _storage_error("read", self._abs(path), exc) from exc
 
     def read(self, path: str) -> bytes:
+        """All bytes of ``path``; a file larger than any valid one of its kind
+        (:func:`~flashckpt.store.format.names.read_limit`) is refused as damage before a byte
+        of it is read, so a sparse "1 TiB manifest" costs nothing."""
         fd = self._open_read(path)
         try:
-            chunks = []
-            while got := os.read(fd, 1 << 24):
-                chunks.append(got)
-            return b"".join(chunks)
+            return safeopen.read_fd(fd, max_bytes=read_limit(path), where=self._abs(path))
         except OSError as exc:
             raise _storage_error("read", self._abs(path), exc) from exc
         finally:

@@ -4,8 +4,10 @@ lines and the run marker.
 Any of those files may be damaged or planted. ``json.loads`` alone turns a nesting bomb into a
 ``RecursionError`` (or, a little below the interpreter's limit, a document that crashes the
 next recursive walker), and accepts values of any type. :func:`load_json` bounds the size, the
-nesting depth (checked without recursion) and refuses ``NaN``/``Infinity``; every failure is the
-caller's :class:`~flashckpt.errors.FlashCkptError` subclass naming the file.
+nesting depth (checked without recursion), the number of objects and lists (counted before
+parsing: a file of empty objects costs Python twenty times its size) and refuses
+``NaN``/``Infinity``; every failure is the caller's :class:`~flashckpt.errors.FlashCkptError`
+subclass naming the file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from typing import Any
 from flashckpt.errors import FlashCkptError
 
 DEFAULT_MAX_DEPTH = 32
+# Containers ("{" and "[") allowed per file: a fixed allowance plus one per 16 bytes. A real
+# manifest spends well over 16 bytes per object or list (names, numbers); a file of empty
+# objects spends 3, and each costs Python 50-60 bytes: 48 MiB of ``{},`` would be 1.5 GB.
+BASE_CONTAINERS = 1 << 16
+BYTES_PER_CONTAINER = 16
+
+
+def container_limit(nbytes: int) -> int:
+    return BASE_CONTAINERS + nbytes // BYTES_PER_CONTAINER
 
 
 def _no_constants(name: str) -> Any:
@@ -57,6 +68,15 @@ def load_json(
     ``max_depth`` (None: the caller checks the structure itself)."""
     if len(data) > max_bytes:
         raise error(f"{where}: {len(data)} bytes is larger than any valid file of this kind")
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    # an upper bound on the objects and lists it holds (brackets inside strings count too),
+    # found without parsing: the element count is bounded before a single one is built
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > container_limit(len(raw)):
+        raise error(
+            f"{where}: {containers} objects and lists in {len(raw)} bytes; no flashckpt file "
+            "is built like that (refusing to parse it)"
+        )
     try:
         doc = json.loads(data, parse_constant=None if allow_nan else _no_constants)
     except RecursionError:

@@ -26,8 +26,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from flashckpt.errors import ConfigError, StorageError
+from flashckpt.errors import ConfigError, CorruptCheckpointError, StorageError
 from flashckpt.store.files.backend import Buffer, check_relpath, is_temp_name
+from flashckpt.store.files.limits import read_limit
 from flashckpt.store.files.retry import RetryPolicy, call_with_retry
 from flashckpt.units import parse_bytes
 
@@ -130,8 +131,26 @@ class FsspecBackend:
 
     # -- reading ----------------------------------------------------------------------------
     def read(self, path: str) -> bytes:
+        """All bytes of the object ``path``; one larger than any valid file of its kind is
+        refused before it is downloaded (its size asked first), and again if it grew."""
         full = self._abs(path)
+        limit = read_limit(path)
+        # chunks are read by their manifest's size (and re-hashed): one HEAD per chunk would
+        # only slow restores; every other object is asked its size before it is downloaded
+        size = None
+        if not path.startswith("chunks/"):
+            size = self._call("stat", path, lambda: self.fs.size(full))
+        if size is not None and int(size) > limit:
+            raise CorruptCheckpointError(
+                f"{self.url}/{path} is {int(size)} bytes, more than the {limit} any valid "
+                "file of this kind holds; refusing to read it"
+            )
         data = self._call("read", path, lambda: self.fs.cat_file(full))
+        if len(data) > limit:
+            raise CorruptCheckpointError(
+                f"{self.url}/{path} is {len(data)} bytes, more than the {limit} any valid "
+                "file of this kind holds; refusing it"
+            )
         return bytes(data)
 
     def read_into(self, path: str, out: memoryview) -> int:

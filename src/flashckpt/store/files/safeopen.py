@@ -18,11 +18,15 @@ the run marker, tiers.json, the root id, and the writer lock.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-from flashckpt.errors import CorruptCheckpointError, StorageError
+from flashckpt.errors import ConfigError, CorruptCheckpointError, FlashCkptError, StorageError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {
@@ -34,6 +38,27 @@ _KINDS = {
     stat.S_IFLNK: "symlink",
 }
 MAX_READ_BYTES = 1 << 30
+F = TypeVar("F", bound=Callable[..., Any])
+_inside = threading.local()
+
+
+def in_gateway() -> bool:
+    """True while this thread runs a gateway function: the audit-hook test
+    (tests/hostile/test_gateway_audit.py) fails on any file event under a root, a tier or a
+    memory tier raised outside one."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _gateway(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return wrapper  # type: ignore[return-value]
 
 
 def check_relpath(path: str) -> str:
@@ -62,12 +87,44 @@ def _refused(base: Path, rel: str, exc: OSError) -> StorageError:
     return err
 
 
-def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = False) -> int:
-    """A directory fd for ``base/rel``, following no symlink below ``base``. With ``create``,
-    missing components are created (mode 0755 less the umask). Missing: FileNotFoundError."""
+def untrusted_dir(st: os.stat_result) -> str | None:
+    """Why a directory below a trusted anchor (``st``: its fstat) cannot be trusted: owned by
+    someone other than this user or root, or writable by others without the sticky bit (then
+    anyone could swap what is inside it). None when it can."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return f"writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+@_gateway
+def make_anchor(path: str | os.PathLike[str], *, mode: int = 0o777) -> None:
+    """Create the directory ``path`` the user named as a root (an anchor: trusted as given,
+    its missing parents created as ``mkdir -p`` does). Everything below it goes through
+    :func:`open_dir`."""
+    Path(path).mkdir(mode=mode, parents=True, exist_ok=True)
+
+
+@_gateway
+def open_dir(
+    base: str | os.PathLike[str],
+    rel: str = "",
+    *,
+    create: bool = False,
+    mode: int = 0o755,
+    write: bool = False,
+) -> int:
+    """A directory fd for ``base/rel``. ``base`` is the trusted anchor (the root as the user
+    gave it, or /dev/shm itself); below it, every component is opened without following a
+    symlink. To create or write anything below it (``create`` or ``write``), every component
+    must also be trustworthy (:func:`untrusted_dir`: this user's or root's, not writable by
+    others unless sticky); reading another user's root stays possible. With ``create``,
+    missing components are created (``mode`` less the umask). Missing: FileNotFoundError."""
     base = Path(base)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        done = []
         for part in check_relpath(rel).split("/") if rel else []:
             try:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
@@ -75,12 +132,20 @@ def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = Fals
                 if not create:
                     raise
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, mode, dir_fd=fd)
                 except FileExistsError:
                     pass
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
+            done.append(part)
+            problem = untrusted_dir(os.fstat(fd)) if create or write else None
+            if problem:
+                raise StorageError(
+                    f"refusing {base / '/'.join(done)}: {problem}; whoever can write it could "
+                    "swap what flashckpt writes below it. Fix its owner or mode, or choose "
+                    "another path"
+                )
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -89,6 +154,7 @@ def open_dir(base: str | os.PathLike[str], rel: str = "", *, create: bool = Fals
     return fd
 
 
+@_gateway
 def open_nofollow(
     base: str | os.PathLike[str],
     rel: str,
@@ -100,7 +166,10 @@ def open_nofollow(
     """An fd for the regular file ``base/rel`` opened with ``flags``; no symlink below ``base``
     is followed, and anything but a regular file is refused (never read, never truncated)."""
     head, _, name = check_relpath(rel).rpartition("/")
-    dfd = open_dir(base, head, create=create_dirs)
+    trunc = bool(flags & os.O_TRUNC)
+    flags &= ~os.O_TRUNC
+    writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    dfd = open_dir(base, head, create=create_dirs, write=writing)
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
     except OSError as exc:
@@ -116,6 +185,15 @@ def open_nofollow(
             f"{Path(base) / rel} is a {kind_of(st.st_mode)}, not a regular file; flashckpt "
             "treats it as damage and does not read it (remove it)"
         )
+    if writing and st.st_nlink > 1:
+        os.close(fd)
+        raise StorageError(
+            f"refusing to write {Path(base) / rel}: it has {st.st_nlink} links (another name, "
+            "maybe outside the root, for the same file); flashckpt never writes through a hard "
+            "link. Remove it (and check who else can write this directory)"
+        )
+    if trunc:
+        os.ftruncate(fd, 0)  # only now: a refused file was never truncated
     return fd
 
 
@@ -127,28 +205,81 @@ def _not_regular(path: Path, exc: OSError) -> CorruptCheckpointError:
     )
 
 
+@_gateway
 def read_file(base: str | os.PathLike[str], rel: str, *, max_bytes: int = MAX_READ_BYTES) -> bytes:
     """All bytes of the regular file ``base/rel`` (at most ``max_bytes``, else damage)."""
     fd = open_nofollow(base, rel, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_bytes:
-            raise CorruptCheckpointError(
-                f"{Path(base) / rel} is {size} bytes, more than the {max_bytes} any valid file "
-                "of this kind holds; treating it as damage"
-            )
-        chunks = []
-        while True:
-            got = os.read(fd, max(size, 1 << 16))
-            if not got:
-                break
-            chunks.append(got)
-            size = 1 << 16
-        return b"".join(chunks)
+        return read_fd(fd, max_bytes=max_bytes, where=Path(base) / rel)
     finally:
         os.close(fd)
 
 
+@_gateway
+def read_fd(
+    fd: int,
+    *,
+    max_bytes: int,
+    where: str | os.PathLike[str],
+    error: type[FlashCkptError] = CorruptCheckpointError,
+) -> bytes:
+    """All bytes of the open regular file ``fd``, bounded *before* anything is read: its size
+    (``fstat``: a sparse file counts at its apparent size) must be at most ``max_bytes``; a
+    file that grows while it is read is cut off at ``max_bytes + 1`` bytes and refused."""
+    size = os.fstat(fd).st_size
+    if size > max_bytes:
+        raise _too_big(where, size, max_bytes, error)
+    chunks, total = [], 0
+    want = max(size, 1 << 16)
+    while total <= max_bytes:
+        got = os.read(fd, min(want, max_bytes + 1 - total))
+        if not got:
+            break
+        chunks.append(got)
+        total += len(got)
+        want = 1 << 16
+    if total > max_bytes:
+        raise _too_big(where, total, max_bytes, error)
+    return b"".join(chunks)
+
+
+def _too_big(
+    where: str | os.PathLike[str], size: int, max_bytes: int, error: type[FlashCkptError]
+) -> FlashCkptError:
+    return error(
+        f"{where} is {size} bytes, more than the {max_bytes} any valid file of this kind "
+        "holds; refusing to read it"
+    )
+
+
+@_gateway
+def read_path(
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int,
+    what: str = "file",
+    error: type[FlashCkptError] = ConfigError,
+) -> bytes:
+    """All bytes of a file the user named (a config, a pointer, an import source): opened
+    non-blocking, refused unless it is a regular file (a FIFO, ``/dev/zero``, ``/dev/urandom``
+    or a directory is never read), and its size checked before reading (``max_bytes``).
+    Missing: FileNotFoundError. The path itself may be the user's symlink (it is theirs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a directory, not a file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(
+                f"{what} {path} is a {kind_of(st.st_mode)}, not a regular file; give a file"
+            )
+        return read_fd(fd, max_bytes=max_bytes, where=f"{what} {path}", error=error)
+    finally:
+        os.close(fd)
+
+
+@_gateway
 def lstat_in(base: str | os.PathLike[str], rel: str) -> os.stat_result:
     """``lstat`` of ``base/rel`` without following any symlink below ``base``."""
     head, _, name = check_relpath(rel).rpartition("/")
@@ -167,12 +298,13 @@ def is_regular(base: str | os.PathLike[str], rel: str) -> bool:
         return False
 
 
+@_gateway
 def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
     """Remove ``base/rel`` (the link itself, if it is one); missing is fine. Never through a
     symlinked directory component (refused with StorageError)."""
     head, _, name = check_relpath(rel).rpartition("/")
     try:
-        dfd = open_dir(base, head)
+        dfd = open_dir(base, head, write=True)
     except FileNotFoundError:
         return
     try:
@@ -186,10 +318,31 @@ def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
         os.close(dfd)
 
 
+@_gateway
+def rename_into(
+    base: str | os.PathLike[str], src: str, dst_dir: str, dst_name: str, *, mode: int = 0o700
+) -> None:
+    """Move ``base/src`` to ``base/dst_dir/dst_name``; ``dst_dir`` is created (``mode``) if
+    missing and, like every component, never followed: a ``quarantine/`` planted as a symlink
+    is refused, so damaged files are never moved to wherever it points."""
+    head, _, name = check_relpath(src).rpartition("/")
+    sfd = open_dir(base, head, write=True)
+    try:
+        dfd = open_dir(base, dst_dir, create=True, mode=mode)
+        try:
+            os.rename(name, check_relpath(dst_name), src_dir_fd=sfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+@_gateway
 def replace_in(dfd: int, src: str, dst: str) -> None:
     os.replace(src, dst, src_dir_fd=dfd, dst_dir_fd=dfd)
 
 
+@_gateway
 def write_file_atomic(
     base: str | os.PathLike[str], rel: str, data: bytes, *, fsync: bool = True, mode: int = 0o644
 ) -> None:
@@ -224,6 +377,7 @@ def write_file_atomic(
         os.close(dfd)
 
 
+@_gateway
 def unlink_quiet(dfd: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=dfd)

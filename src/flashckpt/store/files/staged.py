@@ -53,7 +53,7 @@ class FreePool:
         head, _, name = check_relpath(path).rpartition("/")
         with self._lock:
             try:
-                src = safeopen.open_dir(self.b.root, head)
+                src = safeopen.open_dir(self.b.root, head, write=True)
             except (OSError, StorageError):
                 return -1
             try:
@@ -110,7 +110,7 @@ class FreePool:
                 if not free.startswith(prefix):
                     continue
                 try:
-                    src = safeopen.open_dir(self.b.root, FREE_DIR)
+                    src = safeopen.open_dir(self.b.root, FREE_DIR, write=True)
                 except (OSError, StorageError):
                     return None
                 try:

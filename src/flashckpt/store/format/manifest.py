@@ -19,6 +19,7 @@ from typing import Any
 
 from flashckpt.errors import ManifestError
 from flashckpt.store.files.jsonfile import depth_of, load_json
+from flashckpt.store.files.limits import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
 from flashckpt.store.format.dtypes import itemsize
 from flashckpt.store.format.tiling import check_tiling
 
@@ -28,8 +29,6 @@ HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 CODECS = ("raw", "zstd", "zstd+shuf2", "zstd+shuf4", "zstd+shuf8")
 MAX_NDIM = 64
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything bigger is a hostile or corrupt manifest
-MAX_CHUNK_BYTES = 1 << 34
-MAX_MANIFEST_BYTES = 1 << 30
 MAX_STEP = 10**15
 MAX_TREE_DEPTH = 200  # the depth state/tree.py encodes and decodes (its _MAX_DEPTH)
 MAX_SHARDS = 1 << 16  # per tensor

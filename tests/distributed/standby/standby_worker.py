@@ -40,15 +40,13 @@ event("start", standby=standby, policy=os.sched_getscheduler(0))
 if standby and (out / "fail_standby").exists():
     sys.exit(3)
 if (out / "standin").exists():  # the CPU stand-in for CUDA that the device-staging tests use
-    import importlib.util
+    import pytest
 
-    from flashckpt.engine import device
+    sys.path.insert(0, str(Path(__file__).parents[2] / "engine" / "save"))
+    from fake_device import FakeDevice
 
-    where = Path(__file__).parents[2] / "engine" / "save" / "test_device_standin.py"
-    spec = importlib.util.spec_from_file_location("device_standin", where)
-    standin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(standin)
-    device.OPS = standin.FakeCuda()  # every CPU tensor counts as a device tensor
+    # every CPU tensor counts as a cuda:0 tensor, as in tests/engine/save/test_device_standin.py
+    FakeDevice(delay_s=0.0, default_device="cuda:0", pinnable=False).install(pytest.MonkeyPatch())
 if world > 1:
     import torch.distributed as dist
 
@@ -124,4 +122,4 @@ if (out / "fail_standby").exists():  # finish only once the launcher gave up on 
 ckpt.close()
 from flashckpt.engine import device  # noqa: E402
 
-event("done", step=steps, device_calls=len(getattr(device.OPS, "calls", [])))
+event("done", step=steps, device_calls=getattr(device.OPS, "copies", 0))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.cli import argtypes
+from flashckpt.cli.argtypes import integer
 from flashckpt.demo.chaos import METHODS, SMOKE_MODEL, run_chaos
 
 
@@ -45,12 +46,15 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--segments",
-        type=int,
+        type=integer(low=1, high=1000, what="a number of rounds"),
         default=1,
         help="interleave the methods in K rounds of minutes/K each (fair against host drift)",
     )
     p.add_argument(
-        "--load", type=int, default=0, help="N busy processes beside the trainer, whole run"
+        "--load",
+        type=integer(low=0, high=256, what="a number of processes"),
+        default=0,
+        help="N busy processes beside the trainer, whole run",
     )
     p.set_defaults(func=run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from flashckpt.cli.argtypes import integer
 from flashckpt.errors import ConfigError
 
 
@@ -19,10 +20,23 @@ def register(sub: Any) -> None:
         "started again. With --nproc-per-node N both are sets of N ranks (torchrun's "
         "variables, a fresh rendezvous port per set). Exit code: the script's.",
     )
-    p.add_argument("--standby", type=int, default=1, help="standby sets: 0 or 1 (default 1)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per set (default 1)")
     p.add_argument(
-        "--max-restarts", type=int, default=100, help="takeovers + cold restarts (default 100)"
+        "--standby",
+        type=integer(low=0, high=1, what="0 or 1"),
+        default=1,
+        help="standby sets: 0 or 1 (default 1)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=integer(low=1, high=1024, what="a number of ranks"),
+        default=1,
+        help="ranks per set (default 1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=integer(low=0, high=10**6, what="a number of restarts"),
+        default=100,
+        help="takeovers + cold restarts (default 100)",
     )
     p.add_argument("--state-file", default=None, help="keep the pids and counts in this JSON")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. python train.py")

@@ -28,6 +28,7 @@ from torch import nn
 
 from flashckpt.errors import ConfigError
 from flashckpt.memory.recompute.planner import is_wrapped, unwrap_block, wrap_block
+from flashckpt.memory.trace.kernels import KernelRules
 from flashckpt.memory.trace.livebytes import CATEGORIES, LiveBytes
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def fake_step_context(
 
             stack.enter_context(CudaRules())
         stack.enter_context(FakeTensorMode())
+        stack.enter_context(KernelRules())
         stack.enter_context(_swapped(model, param_dtype(precision), device))
         stack.enter_context(_training_mode(model, None))
         stack.enter_context(torch.enable_grad())
@@ -269,6 +271,7 @@ def trace_step(
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             stack.enter_context(FakeTensorMode())
+            stack.enter_context(KernelRules())
             stack.enter_context(_swapped(model, param_dtype(precision), dev))
         stack.enter_context(_training_mode(model, recompute))
         stack.enter_context(torch.enable_grad())

@@ -146,3 +146,38 @@ def test_cuda_rules_on_cpu_use_a_fused_attention_kernel() -> None:
     cpu = acts(256, "cpu") / acts(128, "cpu")
     assert cuda <= 2.05  # linear in the sequence (the outer terms grow a little slower)
     assert cpu > cuda + 0.3  # CPU's math path saves the quadratic scores
+
+
+def test_adafactor_is_traced_within_2_percent_of_a_real_step() -> None:
+    """torch.optim.Adafactor reads .item() of norms and the step count: it used to be
+    refused as "data-dependent shapes, e.g. an MoE"."""
+    from realstep import measured_peak
+
+    for impl, real_name in (("foreach", "adafactor"), ("for-loop", "adafactor-for-loop")):
+        model = tiny("llama")
+        kw = dict(batch_size=2, seq_len=64, optimizer="adafactor", optimizer_impl=impl)
+        est = estimate(model, device="cpu", **kw)
+        real = measured_peak(model, batch=2, seq=64, optimizer=real_name)
+        assert max(est.phase_peaks.values()) == pytest.approx(real, rel=0.02), impl
+
+
+def test_a_scalar_read_in_forward_names_the_line_that_reads_it() -> None:
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = x.abs().max().item()  # the line the error must name
+            return self.lin(x) * scale
+
+    def inputs(b: int, s: int, device: torch.device) -> dict:
+        return {"x": torch.randn(b, s, 4, device=device)}
+
+    with pytest.raises(ConfigError) as info:
+        estimate(
+            Reads(), inputs=inputs, loss_fn=lambda y: y.sum(), device="cpu", batch_size=1, seq_len=2
+        )
+    text = str(info.value)
+    assert "test_traced.py" in text and "x.abs().max().item()" in text and "MoE" not in text[:80]
+    assert ".item()" in text

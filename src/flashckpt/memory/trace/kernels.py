@@ -12,13 +12,23 @@ output the real kernel returns, and passes every other op through unchanged:
   not on autocast's lists). The output has the inputs' dtype (or ``out_dtype``) and the shape
   of the grouped product, which is what is allocated.
 
-The rule sizes the same kernel the user runs, in the dtype it runs in; it never swaps one
+* ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``.tolist()``): a fake tensor has
+  no value. Inside :meth:`KernelRules.concrete_scalars` (the trace's optimizer steps) the read
+  returns 1 (``1.0``, ``True``) and the step goes on: an optimizer reads scalars to scale its
+  update (``torch.optim.Adafactor``: the step count and parameter and update norms), and what
+  it allocates has its parameters' shapes whatever the value. Anywhere else (the model's
+  forward and backward, where a value may decide a shape) the read stops the trace, and the
+  estimate names the line that made it.
+
+The rules size the same kernel the user runs, in the dtype it runs in; they never swap one
 kernel for another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,8 +79,28 @@ def _grouped_mm(
 class KernelRules(TorchDispatchMode):
     """Answer the ops listed in the module docstring as their real kernels do (fake tensors)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalars_ok = False
+        self.scalar_reads = 0
+
+    @contextlib.contextmanager
+    def concrete_scalars(self) -> Iterator[None]:
+        """Within the block a scalar read of a fake tensor returns 1 (see the module doc)."""
+        before, self.scalars_ok = self.scalars_ok, True
+        try:
+            yield
+        finally:
+            self.scalars_ok = before
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _aten._grouped_mm.default:
             return _grouped_mm(func, *args, **kwargs)
+        if func is _aten._local_scalar_dense.default and self.scalars_ok:
+            self.scalar_reads += 1
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return True
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
         return func(*args, **kwargs)

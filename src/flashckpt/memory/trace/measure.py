@@ -139,12 +139,36 @@ def trace_model(
     try:
         return _trace(model, opts, inputs, loss_fn, device, fake, optimizer, tokens, vocab)
     except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-        raise ConfigError(
-            f"{type(model).__name__} has data-dependent shapes ({exc}) that fake tensors cannot "
-            "trace, e.g. an MoE that routes tokens with nonzero(): for Hugging Face MoE models "
-            "set config experts_implementation='batched_mm' (or 'grouped_mm' in pure bf16); or "
-            "use method='formula' with a dense shape"
-        ) from exc
+        raise ConfigError(_data_dependent(model, exc)) from exc
+
+
+def _call_site(exc: BaseException) -> str:
+    """The innermost frame of ``exc``'s traceback outside torch and flashckpt: who asked."""
+    import traceback
+    from pathlib import Path
+
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return "inside torch"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+
+
+def _data_dependent(model: nn.Module, exc: BaseException) -> str:
+    op = str(exc.args[0]) if exc.args else type(exc).__name__
+    what = (
+        "reads a tensor's value (.item(), .tolist(), bool() or a Python number)"
+        if "_local_scalar_dense" in op
+        else f"makes a tensor whose shape depends on values ({op})"
+    )
+    return (
+        f"{type(model).__name__} {what} at {_call_site(exc)}; fake tensors have shapes but no "
+        "values, so the trace stops there (an optimizer's scalar reads are run, a model's are "
+        "not: a value may decide a shape). For a Hugging Face MoE use its default "
+        "experts_implementation ('grouped_mm') or 'batched_mm', not 'eager'; else "
+        "method='formula' with a dense shape"
+    )
 
 
 def _trace(

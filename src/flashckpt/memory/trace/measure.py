@@ -200,30 +200,53 @@ def _trace(
     )
 
 
-def _scaled(traced: TracedStep, opts: EstimateOptions) -> dict[str, dict[str, int]]:
-    """Each phase's live bytes by category, after sharding, 8-bit state and offload."""
+def _zero_mixed(opts: EstimateOptions) -> bool:
+    """ZeRO 1-3 in mixed precision: a 16-bit model, fp32 master weights in the optimizer."""
+    return opts.zero_stage >= 1 and opts.precision.endswith("-mixed")
+
+
+def _model_states(comp: dict[str, int], opts: EstimateOptions) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of one phase as this rank keeps them.
+
+    The trace runs autocast (fp32 parameters and gradients, the fp32 parameters doubling as
+    master weights). ZeRO in mixed precision (Rajbhandari et al. 2020, section 3.1) keeps a
+    16-bit model (2 bytes of parameters, 2 of gradients per parameter) and moves the fp32
+    master weights into the optimizer state (4 + Adam's 8 = 12 bytes): stage 1 shards the
+    optimizer state over the ``N`` ranks (``4Psi + 12Psi/N``), stage 2 the gradients too
+    (``2Psi + 14Psi/N``), stage 3 the parameters too (``16Psi/N``).
+    """
     dp = opts.world_size
+    params, grads, optimizer = comp["params"], comp["grads"], comp["optimizer"]
+    if _zero_mixed(opts):
+        params, grads, optimizer = params // 2, grads // 2, optimizer + params
     shard = {
         "params": dp if opts.zero_stage >= 3 else 1,
         "grads": dp if opts.zero_stage >= 2 else 1,
         "optimizer": dp if opts.zero_stage >= 1 else 1,
     }
+    full = {"params": params, "grads": grads, "optimizer": optimizer}
+    return {key: math.ceil(full[key] / shard[key]) for key in shard}
+
+
+def _scaled(traced: TracedStep, opts: EstimateOptions) -> dict[str, dict[str, int]]:
+    """Each phase's live bytes by category, after sharding, 8-bit state and offload."""
+    opt_shard = opts.world_size if opts.zero_stage >= 1 else 1
     extra = 0
     if opts.optimizer == "adamw-8bit" and not opts.optimizer_offload:
         extra = math.ceil(ADAM_8BIT_BYTES_PER_PARAM * traced.trainable_params)
     out: dict[str, dict[str, int]] = {}
     for phase, comp in traced.at_peak.items():
-        row = {key: math.ceil(comp[key] / shard[key]) for key in shard}
-        row["optimizer"] = (
-            0 if opts.optimizer_offload else row["optimizer"] + extra // shard["optimizer"]
-        )
-        temp = comp["activations"] + comp["logits"]
+        row = _model_states(comp, opts)
+        row["optimizer"] = 0 if opts.optimizer_offload else row["optimizer"] + extra // opt_shard
+        # autocast's 16-bit weight copies: a ZeRO 16-bit model computes with its own weights
+        copies = 0 if _zero_mixed(opts) else comp.get("weight_copies", 0)
+        temp = comp["activations"] + comp["logits"] + copies
         if phase == "optimizer":  # the step's temporaries, over the local shard
-            row["optimizer_temp"] = 0 if opts.optimizer_offload else temp // shard["optimizer"]
+            row["optimizer_temp"] = 0 if opts.optimizer_offload else temp // opt_shard
             row["activations"] = row["logits"] = 0
         else:
             row["optimizer_temp"] = 0
-            row["activations"], row["logits"] = comp["activations"], comp["logits"]
+            row["activations"], row["logits"] = comp["activations"] + copies, comp["logits"]
         out[phase] = row
     return out
 

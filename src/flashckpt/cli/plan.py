@@ -17,6 +17,7 @@ from flashckpt.memory import (
     PRECISIONS,
     MemoryEstimate,
     MemoryPlanError,
+    evaluate_plan,
     every_k_plan,
     gpu_by_name,
     known_gpus,
@@ -154,23 +155,42 @@ def _breakdown(est: MemoryEstimate, memory_bytes: int) -> list[str]:
 def _find_plan(
     sizer: Sizer, est: MemoryEstimate, gpu: GPU, gpu_bytes: int, dims: dict[str, Any]
 ) -> tuple[RecomputePlan | None, MemoryEstimate | None, Any, str]:
-    """The cheapest plan whose whole step fits, checked by the sizer; or why there is none."""
+    """The cheapest plan whose whole step fits, checked by the sizer; or why there is none.
+
+    One answer with the rest of the output: a plan exists exactly when recomputing every
+    block fits (what "largest batch, full recompute" and "fewest GPUs" ask the same sizer).
+    Then the activation budget handed to the planner is bisected between the all-blocks plan
+    (fits) and no recompute (does not), each candidate plan checked as a whole step.
+    """
     prof = sizer.profile(tflops=gpu.bf16_tflops, **dims)
-    frag = est.options.fragmentation_fraction
-    budget = est.breakdown["activations"] - int((est.peak_bytes - gpu_bytes) / (1 + frag))
-    if budget <= prof.other_activation_bytes:
-        return None, None, prof, "recompute cannot help: model states and logits alone do not fit"
-    tries = 4 if isinstance(sizer, TracedSizer) else 8
-    for _ in range(tries):  # shrink the budget until the whole step fits
+    every = evaluate_plan(prof, [b.name for b in prof.blocks], method="all blocks")
+    full = sizer.estimate(recompute="full", **dims)
+    if not full.fits(gpu_bytes):
+        return None, None, prof, (
+            f"recompute cannot help: even recomputing every block the step needs "
+            f"{format_bytes(full.peak_bytes)} (model states, logits and the activations no "
+            "block holds)"
+        )
+    best: tuple[RecomputePlan, MemoryEstimate] = (every, full)
+    lo, hi = every.activation_bytes, est.breakdown["activations"]  # fits / does not fit
+    tries = 6 if isinstance(sizer, TracedSizer) else 24
+    for _ in range(tries):
+        if hi - lo <= max(1, hi // 200):
+            break
+        mid = (lo + hi) // 2
         try:
-            plan = plan_recompute(prof, max(budget, 0))
-        except MemoryPlanError as exc:
-            return None, None, prof, f"no plan fits: {exc}"
+            plan = plan_recompute(prof, mid)
+        except MemoryPlanError:
+            lo = mid
+            continue
         with_plan = sizer.estimate(recompute=plan, **dims)
         if with_plan.fits(gpu_bytes):
-            return plan, with_plan, prof, ""
-        budget -= max(1, prof.blocks[0].activation_bytes // 2, with_plan.peak_bytes - gpu_bytes)
-    return None, None, prof, "even the smallest plan tried does not fit; shard or use more GPUs"
+            lo = mid
+            if plan.recompute_s <= best[0].recompute_s:
+                best = (plan, with_plan)
+        else:
+            hi = mid
+    return best[0], best[1], prof, ""
 
 
 def _recompute(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from flashckpt.errors import ConfigError
@@ -49,7 +50,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--model", required=True, help=f"a name ({', '.join(known_shapes())}) or CONFIG.json"
     )
-    p.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(known_gpus())}")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help=f"GPU type: {', '.join(known_gpus())}; without it, a CPU run in this machine's memory",
+    )
     p.add_argument("--batch", type=int, required=True, help="micro-batch size per GPU")
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
@@ -108,7 +113,8 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
         try:
             dropout = None if args.dropout is None else args.dropout == "on"
             model = build_hf_model(hf_config(args.model), dropout=dropout)
-            sizer = TracedSizer(model, **_base(args, traced=True))
+            device = "cpu" if args.gpu is None else None
+            sizer = TracedSizer(model, device=device, **_base(args, traced=True))
             return sizer, "traced: one real training step of the HF model on fake tensors"
         except ConfigError as exc:
             if args.method == "traced":
@@ -116,6 +122,11 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
             why = f"cannot build the model ({exc})"
     if args.method == "traced":
         raise ConfigError(f"--method traced is not possible here: {why}")
+    if args.gpu is None:
+        raise ConfigError(
+            f"a CPU run is sized by tracing the model, which is not possible here ({why}); "
+            "pass --gpu NAME to size a GPU run with the formulas"
+        )
     formula = FormulaSizer(resolve_shape(args.model), **_base(args, traced=False))
     return formula, f"formula estimate (closed forms; {why})"
 
@@ -279,8 +290,24 @@ def _fewest(
     return best
 
 
+def _host_gpu(args: argparse.Namespace) -> GPU:
+    """This machine's CPU as the device of a CPU run: its physical memory is the budget."""
+    if args.gpu_memory:
+        memory = parse_bytes(args.gpu_memory, name="--gpu-memory")
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError) as exc:
+            raise ConfigError(
+                f"cannot read this machine's memory ({exc}); pass --gpu-memory SIZE or --gpu NAME"
+            ) from exc
+    # bf16_tflops only prices recompute time; a CPU core does well under a TFLOP/s
+    return GPU(name="cpu", label="CPU run (host memory)", memory_bytes=memory, bf16_tflops=1.0,
+               usd_per_hour=0.0)
+
+
 def run(args: argparse.Namespace) -> int:
-    gpu = gpu_by_name(args.gpu)
+    gpu = gpu_by_name(args.gpu) if args.gpu is not None else _host_gpu(args)
     gpu_bytes = (
         parse_bytes(args.gpu_memory, name="--gpu-memory") if args.gpu_memory else gpu.memory_bytes
     )
@@ -296,9 +323,10 @@ def run(args: argparse.Namespace) -> int:
     if fitting is None:
         more, plan, fitting = _recompute(sizer, est, gpu, gpu_bytes, dims)
         lines += more
-    lines += _preallocate(fitting, plan, gpu_bytes)
+    if args.gpu is not None:
+        lines += _preallocate(fitting, plan, gpu_bytes)
     lines += _largest_batch(sizer, gpu_bytes, dims, plan)
-    if args.world_size is None:
+    if args.world_size is None and args.gpu is not None:
         lines += _fewest_gpus(sizer, args, gpu, gpu_bytes, dims)
     print("\n".join(lines))
     return 0

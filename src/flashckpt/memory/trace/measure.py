@@ -258,7 +258,8 @@ def traced_estimate(
     phases = _scaled(traced, opts)
     peaks = {phase: sum(row.values()) for phase, row in phases.items()}
     fb = max(("forward", "backward"), key=lambda p: peaks.get(p, -1))
-    workspace = ALLOCATOR_WORKSPACE_BYTES
+    on_cpu = traced.device == "cpu"  # a CPU run: no CUDA context, no cuBLAS workspaces
+    workspace = 0 if on_cpu else ALLOCATOR_WORKSPACE_BYTES
     if opts.zero_stage == 3 and opts.world_size > 1:
         workspace += 2 * 2 * layer_params  # gather one block's 16-bit params, prefetch the next
     allocated = workspace + max(peaks.values())
@@ -268,11 +269,11 @@ def traced_estimate(
     breakdown["master_weights"] = 0  # autocast: the fp32 parameters are the master weights
     breakdown["activations"] = phases[fb]["activations"]
     breakdown["logits"] = phases[fb]["logits"]
-    breakdown["workspace"] = workspace + CUDA_CONTEXT_BYTES
+    breakdown["workspace"] = workspace + (0 if on_cpu else CUDA_CONTEXT_BYTES)
     breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
     notes = [f"traced one step on fake {traced.device} tensors; peak in {traced.peak_phase}"]
     if traced.device == "cpu":
-        notes.append("CPU kernels and CPU autocast rules (device='cpu')")
+        notes.append("a CPU run: CPU kernels and autocast rules, no CUDA context (device='cpu')")
     elif "emulated" in traced.device:
         notes.append("no CUDA here: CUDA's attention kernel and autocast fp32 ops emulated")
     return MemoryEstimate(
@@ -284,6 +285,7 @@ def traced_estimate(
         method="traced",
         phase_peaks=peaks,
         notes=tuple(notes),
+        context_bytes=0 if on_cpu else CUDA_CONTEXT_BYTES,
     )
 
 

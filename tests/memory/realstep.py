@@ -70,8 +70,12 @@ def measured_peak(
             return torch.autocast("cpu", dtype=dtype)
         return contextlib.nullcontext()
 
-    def step() -> None:
-        for _ in range(grad_accum):
+    tracker = MemTracker()
+
+    def step(tracking: bool = False) -> None:
+        for i in range(grad_accum):
+            if tracking and i:  # MemTracker refuses a module's second forward in one step
+                tracker.reset_mod_stats()  # per-module stats only; the peak is kept
             batch_inputs = make(batch, seq)
             with autocast():
                 loss = _loss(model(**batch_inputs)) / grad_accum
@@ -83,10 +87,9 @@ def measured_peak(
 
     try:
         step()
-        tracker = MemTracker()
         tracker.track_external(model, opt)
         with tracker:
-            step()
+            step(tracking=True)
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     finally:
         for name in recompute:

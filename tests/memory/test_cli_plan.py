@@ -191,7 +191,9 @@ def test_plan_traces_a_hf_config(capsys: pytest.CaptureFixture[str], tmp_path: P
         _run(capsys, *argv, "--method", "formula")
 
 
-def test_plan_without_gpu_sizes_a_cpu_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_plan_without_gpu_sizes_a_cpu_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """Issue 31: `flashckpt plan` demanded --gpu even to size a CPU run."""
     import sys
 

@@ -14,8 +14,15 @@ from flashckpt.memory import estimate, find_blocks
 def _t5() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.T5Config(
-        vocab_size=97, d_model=64, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
-        d_kv=16, dropout_rate=0.0, decoder_start_token_id=0,
+        vocab_size=97,
+        d_model=64,
+        d_ff=128,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        d_kv=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
     )
     return transformers.T5ForConditionalGeneration(config)
 

@@ -29,9 +29,7 @@ def test_traced_zero_model_states_follow_the_paper(stage: int, per_param: object
     model = tiny("llama")
     psi = sum(p.numel() for p in model.parameters())
     for n in (2, 8):
-        est = estimate(
-            model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=n
-        )
+        est = estimate(model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=n)
         assert _states(est) == pytest.approx(per_param(n) * psi, rel=1e-3)  # type: ignore[operator]
         formula = model_state_breakdown(psi, zero_stage=stage, world_size=n)
         assert _states(est) == pytest.approx(sum(formula.values()), rel=1e-3)
@@ -42,9 +40,7 @@ def test_llama3_8b_on_8_gpus_zero1_zero2_model_states() -> None:
     model = build_hf_model(hf_config("llama-3-8b"))
     got = {}
     for stage in (1, 2):
-        est = estimate(
-            model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=8
-        )
+        est = estimate(model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=8)
         got[stage] = _states(est) / 1e9
     assert got[1] == pytest.approx(44.2, abs=0.1) and got[2] == pytest.approx(30.1, abs=0.1)
 

@@ -177,10 +177,15 @@ def _find_plan(
     every = evaluate_plan(prof, [b.name for b in prof.blocks], method="all blocks")
     full = sizer.estimate(recompute="full", **dims)
     if not full.fits(gpu_bytes):
-        return None, None, prof, (
-            f"recompute cannot help: even recomputing every block the step needs "
-            f"{format_bytes(full.peak_bytes)} (model states, logits and the activations no "
-            "block holds)"
+        return (
+            None,
+            None,
+            prof,
+            (
+                f"recompute cannot help: even recomputing every block the step needs "
+                f"{format_bytes(full.peak_bytes)} (model states, logits and the activations no "
+                "block holds)"
+            ),
         )
     best: tuple[RecomputePlan, MemoryEstimate] = (every, full)
     lo, hi = every.activation_bytes, est.breakdown["activations"]  # fits / does not fit
@@ -302,8 +307,13 @@ def _host_gpu(args: argparse.Namespace) -> GPU:
                 f"cannot read this machine's memory ({exc}); pass --gpu-memory SIZE or --gpu NAME"
             ) from exc
     # bf16_tflops only prices recompute time; a CPU core does well under a TFLOP/s
-    return GPU(name="cpu", label="CPU run (host memory)", memory_bytes=memory, bf16_tflops=1.0,
-               usd_per_hour=0.0)
+    return GPU(
+        name="cpu",
+        label="CPU run (host memory)",
+        memory_bytes=memory,
+        bf16_tflops=1.0,
+        usd_per_hour=0.0,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

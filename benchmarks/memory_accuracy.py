@@ -2,10 +2,12 @@
 
 Three modes, each runnable alone:
 
-* ``--cpu`` (no GPU needed): Hugging Face GPT-2 (gelu_new, dropout on/off), Llama (GQA,
-  SwiGLU), Mixtral-style MoE and Gemma-style (head_dim != hidden/heads) models, with and
-  without a recompute plan and with 2 micro-batches: the traced estimate (one step on fake
-  tensors) against the same step on real CPU tensors, metered by the same live-bytes meter.
+* ``--cpu`` (no GPU needed): HF models of every family the planner answers for: dense
+  decoders (GPT-2, Llama, Gemma), MoE with transformers' default expert kernel (Mixtral,
+  Qwen2-MoE, OLMoE, DeepSeek-V2), encoder-decoder (T5), a frozen base, every optimizer and
+  implementation, three precisions, recompute and micro-batches: the traced estimate (one step
+  on fake tensors) against the same step on real CPU tensors measured by torch's MemTracker;
+  and ZeRO 1-3 model states of Llama-3-8B on 8 GPUs against the ZeRO paper.
 * ``--planner``: ``plan_recompute`` on 200 blocks of uneven sizes (exact), timed.
 * default (one CUDA GPU): GPT-2 small/medium and a Llama-style stack of this file's own model
   (formula path) and the HF models (traced path, fake CUDA tensors), real bf16-mixed steps,
@@ -325,18 +327,50 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-HF_CPU = [  # (name, config overrides, recompute, micro-batches)
-    ("gpt2", {}, None, 1),
-    ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, None, 1),
-    ("gpt2", {}, "full", 1),
-    ("gpt2", {}, None, 2),
-    ("llama", {}, None, 1),
-    ("llama", {}, "full", 1),
-    ("llama", {}, 2, 2),
-    ("mixtral", {}, None, 1),
-    ("mixtral", {}, "full", 2),
-    ("gemma", {}, None, 1),
-    ("gemma", {}, "full", 2),
+# (label, family, config overrides, estimate options, how the real step differs)
+HF_CPU: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+    ("gpt2 (dropout 0.1)", "gpt2", {}, {}),
+    ("gpt2 full recompute", "gpt2", {}, {"recompute": "full"}),
+    ("gpt2 2 micro-batches", "gpt2", {}, {"grad_accum": 2}),
+    ("llama", "llama", {}, {}),
+    ("llama full recompute", "llama", {}, {"recompute": "full"}),
+    ("llama 2 blocks, 2 micro-batches", "llama", {}, {"recompute": 2, "grad_accum": 2}),
+    ("llama fp32", "llama", {}, {"precision": "fp32"}),
+    ("llama pure bf16", "llama", {}, {"precision": "bf16"}),
+    ("llama AdamW fused", "llama", {}, {"optimizer_impl": "fused"}),
+    ("llama AdamW for-loop", "llama", {}, {"optimizer_impl": "for-loop"}),
+    ("llama Adam", "llama", {}, {"optimizer": "adam"}),
+    ("llama SGD", "llama", {}, {"optimizer": "sgd"}),
+    ("llama SGD momentum", "llama", {}, {"optimizer": "sgd-momentum"}),
+    ("llama Adafactor", "llama", {}, {"optimizer": "adafactor"}),
+    (
+        "llama Adafactor for-loop",
+        "llama",
+        {},
+        {"optimizer": "adafactor", "optimizer_impl": "for-loop"},
+    ),
+    (
+        "llama frozen base (last block + head train; real step metered by LiveBytes)",
+        "llama-frozen",
+        {},
+        {},
+    ),
+    ("gemma (head_dim != h/a)", "gemma", {}, {}),
+    ("gemma full recompute, 2 micro-batches", "gemma", {}, {"recompute": "full", "grad_accum": 2}),
+    ("mixtral (grouped_mm)", "mixtral", {}, {}),
+    (
+        "mixtral (batched_mm) full recompute",
+        "mixtral",
+        {"experts_implementation": "batched_mm"},
+        {"recompute": "full"},
+    ),
+    ("qwen2-moe (grouped_mm)", "qwen2-moe", {}, {}),
+    ("qwen2-moe full recompute", "qwen2-moe", {}, {"recompute": "full"}),
+    ("qwen2-moe pure bf16", "qwen2-moe", {}, {"precision": "bf16"}),
+    ("olmoe (grouped_mm)", "olmoe", {}, {}),
+    ("deepseek-v2 (MLA, grouped_mm)", "deepseek-v2", {}, {}),
+    ("t5 encoder-decoder", "t5", {}, {}),
+    ("t5 full recompute (both stacks)", "t5", {}, {"recompute": "full"}),
 ]
 
 
@@ -353,44 +387,176 @@ def hf_config(name: str, overrides: dict[str, Any], width: int = 128) -> Any:
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=width)
     if name == "gpt2":
         base = dict(n_layer=4, n_embd=width, n_head=4, vocab_size=512, n_positions=1024)
         return transformers.GPT2Config(**(base | overrides))
-    if name == "llama":
+    if name in ("llama", "llama-frozen"):
         return transformers.LlamaConfig(**(llama | overrides))
     if name == "mixtral":
-        moe = dict(num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
-        return transformers.MixtralConfig(**(llama | moe | overrides))
+        return transformers.MixtralConfig(**(llama | {"num_local_experts": 4} | moe | overrides))
+    if name == "qwen2-moe":
+        extra = {"num_experts": 4, "shared_expert_intermediate_size": 2 * width}
+        return transformers.Qwen2MoeConfig(**(llama | moe | extra | overrides))
+    if name == "olmoe":
+        return transformers.OlmoeConfig(**(llama | moe | {"num_experts": 4} | overrides))
+    if name == "deepseek-v2":
+        extra = dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=32,
+            n_group=1,
+            topk_group=1,
+        )
+        return transformers.DeepseekV2Config(**(llama | moe | extra | overrides))
+    if name == "t5":
+        t5 = dict(
+            vocab_size=512,
+            d_model=width,
+            d_ff=2 * width,
+            num_layers=4,
+            num_heads=4,
+            d_kv=width // 4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        )
+        return transformers.T5Config(**(t5 | overrides))
     return transformers.GemmaConfig(**(llama | {"head_dim": 64} | overrides))
 
 
-def cpu_rows(batch: int = 2, seq: int = 128) -> list[dict[str, Any]]:
+def build_cpu_model(name: str, overrides: dict[str, Any]) -> nn.Module:
     import transformers
 
-    from flashckpt.memory.options import EstimateOptions
-    from flashckpt.memory.trace.measure import trace_model
+    torch.manual_seed(0)
+    config = hf_config(name, overrides)
+    if name == "t5":
+        return transformers.T5ForConditionalGeneration(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if name == "llama-frozen":  # a frozen base: only the last block and the LM head train
+        for pname, p in model.named_parameters():
+            p.requires_grad_(pname.startswith(("model.layers.3.", "lm_head")))
+    return model
 
+
+_REAL_OPTIMIZERS: dict[tuple[str, str], Any] = {
+    ("adamw", "foreach"): lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+    ("adamw", "fused"): lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+    ("adamw", "for-loop"): lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False),
+    ("adam", "foreach"): lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
+    ("sgd", "foreach"): lambda ps: torch.optim.SGD(ps, lr=1e-2, foreach=True),
+    ("sgd-momentum", "foreach"): lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ("adafactor", "foreach"): lambda ps: torch.optim.Adafactor(ps, lr=1e-2, foreach=True),
+    ("adafactor", "for-loop"): lambda ps: torch.optim.Adafactor(ps, lr=1e-2, foreach=False),
+}
+
+
+def memtracker_step(model: nn.Module, batch: int, seq: int, opts: dict[str, Any]) -> int:
+    """Peak bytes of a real steady-state CPU step (torch's MemTracker), the user's loop."""
+    import contextlib
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from flashckpt.memory import RecomputePlan, find_blocks
+
+    if not all(p.requires_grad for p in model.parameters()):
+        # MemTracker hooks every parameter's gradient and refuses a frozen one: the same real
+        # step, metered by flashckpt's live-bytes meter on real tensors instead
+        from flashckpt.memory.options import EstimateOptions
+        from flashckpt.memory.trace.measure import trace_model
+
+        real = EstimateOptions(batch_size=batch, seq_len=seq, **opts)
+        return trace_model(model, real, device="cpu", fake=False).peak_bytes
+    precision = opts.get("precision", "bf16-mixed")
+    accum = opts.get("grad_accum", 1)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    key = (opts.get("optimizer", "adamw"), opts.get("optimizer_impl", "foreach"))
+    opt = _REAL_OPTIMIZERS[key](params)
+    rec = opts.get("recompute")
+    blocks = find_blocks(model)
+    names = blocks if rec == "full" else blocks[:rec] if isinstance(rec, int) else []
+    if names:
+        RecomputePlan(recompute=tuple(names), activation_bytes=0, recompute_s=0.0).apply(model)
+    vocab = model.config.vocab_size
+
+    tracker = MemTracker()
+
+    def step(tracking: bool = False) -> None:
+        for i in range(accum):
+            if tracking and i:  # MemTracker refuses a module's second forward in one step
+                tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+            ids = torch.randint(0, vocab, (batch, seq))
+            cast = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if precision == "bf16-mixed"
+                else contextlib.nullcontext()
+            )
+            with cast:
+                loss = model(input_ids=ids, labels=ids).loss / accum
+            del ids
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker.track_external(model, opt)
+    with tracker:
+        step(tracking=True)
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def cpu_rows(batch: int = 2, seq: int = 128) -> list[dict[str, Any]]:
     rows = []
-    for name, over, rec, accum in HF_CPU:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(name, over))
-        opts = EstimateOptions(batch_size=batch, seq_len=seq, recompute=rec, grad_accum=accum)
+    for label, name, over, opts in HF_CPU:
+        model = build_cpu_model(name, over)
         start = time.perf_counter()
-        fake = trace_model(model, opts, device="cpu")
+        est = estimate(model, device="cpu", batch_size=batch, seq_len=seq, **opts)
         traced_s = time.perf_counter() - start
-        real = trace_model(model, opts, device="cpu", fake=False)
+        traced = max(est.phase_peaks.values())
+        measured = memtracker_step(model, batch, seq, opts)
         rows.append(
             {
-                "model": name + ("-nodropout" if over else ""),
+                "model": label,
                 "batch": batch,
                 "seq": seq,
-                "recompute": str(rec or "none"),
-                "micro_batches": accum,
-                "estimate_bytes": fake.peak_bytes,
-                "measured_bytes": real.peak_bytes,
-                "error": fake.peak_bytes / real.peak_bytes - 1,
-                "peak_phase": fake.peak_phase,
+                "options": opts,
+                "estimate_bytes": traced,
+                "measured_bytes": measured,
+                "error": traced / measured - 1,
+                "peak_phase": max(est.phase_peaks, key=lambda p: est.phase_peaks[p]),
                 "trace_s": traced_s,
+            }
+        )
+        print(f"  {label}: {rows[-1]['error']:+.2%}", flush=True)
+    return rows
+
+
+def zero_rows() -> list[dict[str, Any]]:
+    """ZeRO 1-3 model states of Llama-3-8B on 8 GPUs, traced (meta model) vs the ZeRO paper."""
+    from flashckpt.memory import build_hf_model
+    from flashckpt.memory import hf_config as named_config
+
+    model = build_hf_model(named_config("llama-3-8b"))
+    psi = sum(p.numel() for p in model.parameters())
+    paper = {1: 4 + 12 / 8, 2: 2 + 14 / 8, 3: 16 / 8}
+    rows = []
+    for stage, per_param in paper.items():
+        est = estimate(model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=8)
+        states = sum(est.breakdown[k] for k in ("params", "grads", "optimizer", "master_weights"))
+        rows.append(
+            {
+                "stage": stage,
+                "traced_gb": states / 1e9,
+                "paper_gb": per_param * psi / 1e9,
+                "error": states / (per_param * psi) - 1,
             }
         )
     return rows
@@ -399,14 +565,14 @@ def cpu_rows(batch: int = 2, seq: int = 128) -> list[dict[str, Any]]:
 def cpu_table(rows: list[dict[str, Any]]) -> str:
     mib = 1024**2
     lines = [
-        "| HF model | batch x seq | recompute | micro-batches | traced MiB | real MiB | error "
+        "| HF model (4 layers, hidden 128) | options | traced MiB | MemTracker MiB | error "
         "| peak in |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "bf16-mixed, AdamW"
         lines.append(
-            f"| {r['model']} | {r['batch']} x {r['seq']} | {r['recompute']} | "
-            f"{r['micro_batches']} | {r['estimate_bytes'] / mib:.2f} | "
+            f"| {r['model']} | {opts} | {r['estimate_bytes'] / mib:.2f} | "
             f"{r['measured_bytes'] / mib:.2f} | {r['error']:+.2%} | {r['peak_phase']} |"
         )
     return "\n".join(lines)
@@ -451,15 +617,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if max(result["seconds"]) < 1.0 else 1
     if args.cpu:
+        import transformers
+
         rows = cpu_rows()
-        print(f"CPU, torch {torch.__version__}")
+        zero = zero_rows()
+        print(f"CPU, torch {torch.__version__}, transformers {transformers.__version__}")
         print(cpu_table(rows))
         worst = max(abs(r["error"]) for r in rows)
-        print(f"\nworst |error| {worst:.2%} over {len(rows)} steps")
-        with open(args.out, "w") as fh:
-            json.dump(
-                {"meta": {"torch": torch.__version__, "worst": worst}, "rows": rows}, fh, indent=1
+        print(f"\nworst |error| {worst:.2%} over {len(rows)} steps (real step: MemTracker)")
+        print("\n| ZeRO stage (Llama-3-8B, 8 GPUs) | traced GB | ZeRO paper GB | error |")
+        print("|---|---:|---:|---:|")
+        for z in zero:
+            print(
+                f"| {z['stage']} | {z['traced_gb']:.2f} | {z['paper_gb']:.2f} | {z['error']:+.2%} |"
             )
+        meta = {"torch": torch.__version__, "transformers": transformers.__version__}
+        with open(args.out, "w") as fh:
+            json.dump({"meta": meta | {"worst": worst}, "rows": rows, "zero": zero}, fh, indent=1)
         return 0 if worst <= 0.02 else 1
     if not torch.cuda.is_available():
         print("memory_accuracy: needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)

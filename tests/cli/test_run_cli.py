@@ -17,7 +17,10 @@ from flashckpt.cli import main
         (["run", "--"], "needs a command after --"),
         (["run", "--nproc-per-node", "0", "--", "true"], "expected a number of ranks in 1..1024"),
         (["run", "--standby", "2", "--", "true"], "expected 0 or 1 in 0..1"),
-        (["run", "--max-restarts", "-1", "--", "true"], "expected a number of restarts in 0..1000000"),
+        (
+            ["run", "--max-restarts", "-1", "--", "true"],
+            "expected a number of restarts in 0..1000000",
+        ),
     ],
 )
 def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys) -> None:

@@ -189,3 +189,32 @@ def test_plan_traces_a_hf_config(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert f"{want / 1e9:.2f}B params" in out and "mixtral" in out
     with pytest.raises(ConfigError, match="mixture of experts"):
         _run(capsys, *argv, "--method", "formula")
+
+
+def test_plan_without_gpu_sizes_a_cpu_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 31: `flashckpt plan` demanded --gpu even to size a CPU run."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_tiny import model as tiny
+    from realstep import measured_peak
+
+    config = tmp_path / "config.json"
+    values = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64}
+    values |= {"intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    values |= {"num_key_value_heads": 2, "max_position_embeddings": 256}
+    config.write_text(json.dumps(values))
+    argv = ("--model", str(config), "--batch", "2", "--seq", "128", "--method", "auto")
+    code, out = _run(capsys, *argv)
+    assert code == 0 and "CPU run (host memory)" in out and "FITS" in out
+    assert "ZeRO-0:" not in out and "PYTORCH_CUDA_ALLOC_CONF" not in out
+    assert re.search(r"workspace\s+0 B", out)
+    peak = re.search(r"peak \(phase-aware\)\s+([\d.]+) MiB", out)
+    real = measured_peak(tiny("llama"), batch=2, seq=128) / 2**20
+    assert peak and float(peak[1]) == pytest.approx(real * 1.05, rel=0.02)  # + 5% margin
+    code, out = _run(capsys, *argv, "--gpu-memory", "1MiB")
+    assert "DOES NOT FIT" in out
+    with pytest.raises(ConfigError, match="pass --gpu NAME"):
+        _run(capsys, *argv[:-2], "--method", "formula")

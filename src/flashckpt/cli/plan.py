@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from flashckpt.cli import argtypes
@@ -18,6 +19,7 @@ from flashckpt.memory import (
     PRECISIONS,
     MemoryEstimate,
     MemoryPlanError,
+    evaluate_plan,
     every_k_plan,
     gpu_by_name,
     known_gpus,
@@ -51,7 +53,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--model", required=True, help=f"a name ({', '.join(known_shapes())}) or CONFIG.json"
     )
-    p.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(known_gpus())}")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help=f"GPU type: {', '.join(known_gpus())}; without it, a CPU run in this machine's memory",
+    )
     p.add_argument("--batch", type=argtypes.count, required=True, help="micro-batch size per GPU")
     p.add_argument("--seq", type=argtypes.count, required=True, help="sequence length in tokens")
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
@@ -131,7 +137,8 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
         try:
             dropout = None if args.dropout is None else args.dropout == "on"
             model = build_hf_model(hf_config(_model(args)), dropout=dropout)
-            sizer = TracedSizer(model, **_base(args, traced=True))
+            device = "cpu" if args.gpu is None else None
+            sizer = TracedSizer(model, device=device, **_base(args, traced=True))
             return sizer, "traced: one real training step of the HF model on fake tensors"
         except ConfigError as exc:
             if args.method == "traced":
@@ -139,6 +146,11 @@ def _sizer(args: argparse.Namespace) -> tuple[Sizer, str]:
             why = f"cannot build the model ({exc})"
     if args.method == "traced":
         raise ConfigError(f"--method traced is not possible here: {why}")
+    if args.gpu is None:
+        raise ConfigError(
+            f"a CPU run is sized by tracing the model, which is not possible here ({why}); "
+            "pass --gpu NAME to size a GPU run with the formulas"
+        )
     formula = FormulaSizer(resolve_shape(_model(args)), **_base(args, traced=False))
     return formula, f"formula estimate (closed forms; {why})"
 
@@ -178,23 +190,47 @@ def _breakdown(est: MemoryEstimate, memory_bytes: int) -> list[str]:
 def _find_plan(
     sizer: Sizer, est: MemoryEstimate, gpu: GPU, gpu_bytes: int, dims: dict[str, Any]
 ) -> tuple[RecomputePlan | None, MemoryEstimate | None, Any, str]:
-    """The cheapest plan whose whole step fits, checked by the sizer; or why there is none."""
+    """The cheapest plan whose whole step fits, checked by the sizer; or why there is none.
+
+    One answer with the rest of the output: a plan exists exactly when recomputing every
+    block fits (what "largest batch, full recompute" and "fewest GPUs" ask the same sizer).
+    Then the activation budget handed to the planner is bisected between the all-blocks plan
+    (fits) and no recompute (does not), each candidate plan checked as a whole step.
+    """
     prof = sizer.profile(tflops=gpu.bf16_tflops, **dims)
-    frag = est.options.fragmentation_fraction
-    budget = est.breakdown["activations"] - int((est.peak_bytes - gpu_bytes) / (1 + frag))
-    if budget <= prof.other_activation_bytes:
-        return None, None, prof, "recompute cannot help: model states and logits alone do not fit"
-    tries = 4 if isinstance(sizer, TracedSizer) else 8
-    for _ in range(tries):  # shrink the budget until the whole step fits
+    every = evaluate_plan(prof, [b.name for b in prof.blocks], method="all blocks")
+    full = sizer.estimate(recompute="full", **dims)
+    if not full.fits(gpu_bytes):
+        return (
+            None,
+            None,
+            prof,
+            (
+                f"recompute cannot help: even recomputing every block the step needs "
+                f"{format_bytes(full.peak_bytes)} (model states, logits and the activations no "
+                "block holds)"
+            ),
+        )
+    best: tuple[RecomputePlan, MemoryEstimate] = (every, full)
+    lo, hi = every.activation_bytes, est.breakdown["activations"]  # fits / does not fit
+    tries = 6 if isinstance(sizer, TracedSizer) else 24
+    for _ in range(tries):
+        if hi - lo <= max(1, hi // 200):
+            break
+        mid = (lo + hi) // 2
         try:
-            plan = plan_recompute(prof, max(budget, 0))
-        except MemoryPlanError as exc:
-            return None, None, prof, f"no plan fits: {exc}"
+            plan = plan_recompute(prof, mid)
+        except MemoryPlanError:
+            lo = mid
+            continue
         with_plan = sizer.estimate(recompute=plan, **dims)
         if with_plan.fits(gpu_bytes):
-            return plan, with_plan, prof, ""
-        budget -= max(1, prof.blocks[0].activation_bytes // 2, with_plan.peak_bytes - gpu_bytes)
-    return None, None, prof, "even the smallest plan tried does not fit; shard or use more GPUs"
+            lo = mid
+            if plan.recompute_s <= best[0].recompute_s:
+                best = (plan, with_plan)
+        else:
+            hi = mid
+    return best[0], best[1], prof, ""
 
 
 def _recompute(
@@ -283,8 +319,29 @@ def _fewest(
     return best
 
 
+def _host_gpu(args: argparse.Namespace) -> GPU:
+    """This machine's CPU as the device of a CPU run: its physical memory is the budget."""
+    if args.gpu_memory:
+        memory = parse_bytes(args.gpu_memory, name="--gpu-memory")
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError) as exc:
+            raise ConfigError(
+                f"cannot read this machine's memory ({exc}); pass --gpu-memory SIZE or --gpu NAME"
+            ) from exc
+    # bf16_tflops only prices recompute time; a CPU core does well under a TFLOP/s
+    return GPU(
+        name="cpu",
+        label="CPU run (host memory)",
+        memory_bytes=memory,
+        bf16_tflops=1.0,
+        usd_per_hour=0.0,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    gpu = gpu_by_name(args.gpu)
+    gpu = gpu_by_name(args.gpu) if args.gpu is not None else _host_gpu(args)
     gpu_bytes = (
         parse_bytes(args.gpu_memory, name="--gpu-memory") if args.gpu_memory else gpu.memory_bytes
     )
@@ -300,9 +357,10 @@ def run(args: argparse.Namespace) -> int:
     if fitting is None:
         more, plan, fitting = _recompute(sizer, est, gpu, gpu_bytes, dims)
         lines += more
-    lines += _preallocate(fitting, plan, gpu_bytes)
+    if args.gpu is not None:
+        lines += _preallocate(fitting, plan, gpu_bytes)
     lines += _largest_batch(sizer, gpu_bytes, dims, plan)
-    if args.world_size is None:
+    if args.world_size is None and args.gpu is not None:
         lines += _fewest_gpus(sizer, args, gpu, gpu_bytes, dims)
     print("\n".join(lines))
     return 0

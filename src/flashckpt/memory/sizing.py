@@ -100,6 +100,8 @@ class TracedSizer:
         through the two traced batches nearest to it (the peak is convex in the batch, so a
         line outside its points is low: :func:`largest_batch` confirms by tracing)."""
         merged = self.base | options
+        if merged.get("recompute") == "full":  # the same trace as the plan of every block
+            merged["recompute"] = tuple(self.blocks)
         opts = EstimateOptions(**merged)
         batch, recompute = opts.batch_size, opts.recompute
         if exact or (batch, _plan_key(recompute)) in self._traces or batch <= 2:

@@ -62,21 +62,32 @@ class ModelProfile:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the repeated layers: children of the largest uniform ``ModuleList``."""
-    best: list[str] = []
+    """Qualified names of the repeated layers: the children of every outermost uniform
+    ``nn.ModuleList`` (two or more layers of one type) that holds at least a tenth of the
+    parameters of the largest one, in module order. A decoder has one such stack; an
+    encoder-decoder (T5, BART, Whisper) has two, and both are recomputable."""
+    stacks: list[tuple[str, int]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        if len({type(child) for child in module}) != 1 or len(module) <= len(best):
+        if len({type(child) for child in module}) != 1:
             continue
-        prefix = f"{name}." if name else ""
-        best = [f"{prefix}{i}" for i in range(len(module))]
-    if not best:
+        if any(name.startswith(f"{outer}.") for outer, _ in stacks):
+            continue  # a list inside a block (experts, sub-layers) is part of that block
+        stacks.append((name, sum(p.numel() for p in module.parameters())))
+    if not stacks:
         raise ConfigError(
             f"no repeated blocks found in {type(model).__name__} (no nn.ModuleList of two or "
             "more same-type layers); pass blocks=['layer1', 'layer2', ...]"
         )
-    return best
+    largest = max(size for _, size in stacks)
+    modules = dict(model.named_modules())
+    out: list[str] = []
+    for name, size in stacks:
+        if size * 10 >= largest or (largest == 0 and size == 0):
+            prefix = f"{name}." if name else ""
+            out += [f"{prefix}{i}" for i in range(len(modules[name]))]
+    return out
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

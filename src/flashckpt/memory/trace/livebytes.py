@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger(__name__)
 
-CATEGORIES = ("params", "grads", "optimizer", "logits", "activations")
+CATEGORIES = ("params", "grads", "optimizer", "logits", "activations", "weight_copies")
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -42,7 +43,9 @@ class LiveBytes(TorchDispatchMode):
     ``logits_shape=(numel, vocab)``: in forward and backward, an op output whose last dimension
     is ``vocab`` with at least ``numel`` elements is filed as ``logits`` (the LM head's output,
     the loss's copies of it and their gradients); everything else new is ``activations`` until
-    :meth:`claim` files it elsewhere (parameters, gradients, optimizer state).
+    :meth:`claim` files it elsewhere (parameters, gradients, optimizer state). A cast of a
+    parameter in forward or backward (autocast's cached 16-bit weight copies) is filed as
+    ``weight_copies``: a model kept in 16 bits (DeepSpeed's ZeRO) has none.
     """
 
     def __init__(self, *, logits_shape: tuple[int, int] | None = None) -> None:
@@ -58,6 +61,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is _TO_COPY and self._is_param(args[0]) and isinstance(out, torch.Tensor):
+            self.track(out, "weight_copies")  # autocast's 16-bit copy of a parameter
+            return out
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
@@ -82,6 +88,13 @@ class LiveBytes(TorchDispatchMode):
         self.live += nbytes
         self._add(category, nbytes)
         self._note()
+
+    def _is_param(self, t: Any) -> bool:
+        if self.phase not in ("forward", "backward") or not isinstance(t, torch.Tensor):
+            return False
+        storage = _storage(t)
+        entry = self._entries.get(id(storage)) if storage is not None else None
+        return entry is not None and entry[0]() is storage and entry[2] == "params"
 
     def _is_logits(self, t: torch.Tensor) -> bool:
         if self.logits_shape is None or self.phase not in ("forward", "backward") or not t.dim():

@@ -139,12 +139,36 @@ def trace_model(
     try:
         return _trace(model, opts, inputs, loss_fn, device, fake, optimizer, tokens, vocab)
     except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-        raise ConfigError(
-            f"{type(model).__name__} has data-dependent shapes ({exc}) that fake tensors cannot "
-            "trace, e.g. an MoE that routes tokens with nonzero(): for Hugging Face MoE models "
-            "set config experts_implementation='batched_mm' (or 'grouped_mm' in pure bf16); or "
-            "use method='formula' with a dense shape"
-        ) from exc
+        raise ConfigError(_data_dependent(model, exc)) from exc
+
+
+def _call_site(exc: BaseException) -> str:
+    """The innermost frame of ``exc``'s traceback outside torch and flashckpt: who asked."""
+    import traceback
+    from pathlib import Path
+
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return "inside torch"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+
+
+def _data_dependent(model: nn.Module, exc: BaseException) -> str:
+    op = str(exc.args[0]) if exc.args else type(exc).__name__
+    what = (
+        "reads a tensor's value (.item(), .tolist(), bool() or a Python number)"
+        if "_local_scalar_dense" in op
+        else f"makes a tensor whose shape depends on values ({op})"
+    )
+    return (
+        f"{type(model).__name__} {what} at {_call_site(exc)}; fake tensors have shapes but no "
+        "values, so the trace stops there (an optimizer's scalar reads are run, a model's are "
+        "not: a value may decide a shape). For a Hugging Face MoE use its default "
+        "experts_implementation ('grouped_mm') or 'batched_mm', not 'eager'; else "
+        "method='formula' with a dense shape"
+    )
 
 
 def _trace(
@@ -176,30 +200,53 @@ def _trace(
     )
 
 
-def _scaled(traced: TracedStep, opts: EstimateOptions) -> dict[str, dict[str, int]]:
-    """Each phase's live bytes by category, after sharding, 8-bit state and offload."""
+def _zero_mixed(opts: EstimateOptions) -> bool:
+    """ZeRO 1-3 in mixed precision: a 16-bit model, fp32 master weights in the optimizer."""
+    return opts.zero_stage >= 1 and opts.precision.endswith("-mixed")
+
+
+def _model_states(comp: dict[str, int], opts: EstimateOptions) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of one phase as this rank keeps them.
+
+    The trace runs autocast (fp32 parameters and gradients, the fp32 parameters doubling as
+    master weights). ZeRO in mixed precision (Rajbhandari et al. 2020, section 3.1) keeps a
+    16-bit model (2 bytes of parameters, 2 of gradients per parameter) and moves the fp32
+    master weights into the optimizer state (4 + Adam's 8 = 12 bytes): stage 1 shards the
+    optimizer state over the ``N`` ranks (``4Psi + 12Psi/N``), stage 2 the gradients too
+    (``2Psi + 14Psi/N``), stage 3 the parameters too (``16Psi/N``).
+    """
     dp = opts.world_size
+    params, grads, optimizer = comp["params"], comp["grads"], comp["optimizer"]
+    if _zero_mixed(opts):
+        params, grads, optimizer = params // 2, grads // 2, optimizer + params
     shard = {
         "params": dp if opts.zero_stage >= 3 else 1,
         "grads": dp if opts.zero_stage >= 2 else 1,
         "optimizer": dp if opts.zero_stage >= 1 else 1,
     }
+    full = {"params": params, "grads": grads, "optimizer": optimizer}
+    return {key: math.ceil(full[key] / shard[key]) for key in shard}
+
+
+def _scaled(traced: TracedStep, opts: EstimateOptions) -> dict[str, dict[str, int]]:
+    """Each phase's live bytes by category, after sharding, 8-bit state and offload."""
+    opt_shard = opts.world_size if opts.zero_stage >= 1 else 1
     extra = 0
     if opts.optimizer == "adamw-8bit" and not opts.optimizer_offload:
         extra = math.ceil(ADAM_8BIT_BYTES_PER_PARAM * traced.trainable_params)
     out: dict[str, dict[str, int]] = {}
     for phase, comp in traced.at_peak.items():
-        row = {key: math.ceil(comp[key] / shard[key]) for key in shard}
-        row["optimizer"] = (
-            0 if opts.optimizer_offload else row["optimizer"] + extra // shard["optimizer"]
-        )
-        temp = comp["activations"] + comp["logits"]
+        row = _model_states(comp, opts)
+        row["optimizer"] = 0 if opts.optimizer_offload else row["optimizer"] + extra // opt_shard
+        # autocast's 16-bit weight copies: a ZeRO 16-bit model computes with its own weights
+        copies = 0 if _zero_mixed(opts) else comp.get("weight_copies", 0)
+        temp = comp["activations"] + comp["logits"] + copies
         if phase == "optimizer":  # the step's temporaries, over the local shard
-            row["optimizer_temp"] = 0 if opts.optimizer_offload else temp // shard["optimizer"]
+            row["optimizer_temp"] = 0 if opts.optimizer_offload else temp // opt_shard
             row["activations"] = row["logits"] = 0
         else:
             row["optimizer_temp"] = 0
-            row["activations"], row["logits"] = comp["activations"], comp["logits"]
+            row["activations"], row["logits"] = comp["activations"] + copies, comp["logits"]
         out[phase] = row
     return out
 
@@ -211,7 +258,8 @@ def traced_estimate(
     phases = _scaled(traced, opts)
     peaks = {phase: sum(row.values()) for phase, row in phases.items()}
     fb = max(("forward", "backward"), key=lambda p: peaks.get(p, -1))
-    workspace = ALLOCATOR_WORKSPACE_BYTES
+    on_cpu = traced.device == "cpu"  # a CPU run: no CUDA context, no cuBLAS workspaces
+    workspace = 0 if on_cpu else ALLOCATOR_WORKSPACE_BYTES
     if opts.zero_stage == 3 and opts.world_size > 1:
         workspace += 2 * 2 * layer_params  # gather one block's 16-bit params, prefetch the next
     allocated = workspace + max(peaks.values())
@@ -221,11 +269,11 @@ def traced_estimate(
     breakdown["master_weights"] = 0  # autocast: the fp32 parameters are the master weights
     breakdown["activations"] = phases[fb]["activations"]
     breakdown["logits"] = phases[fb]["logits"]
-    breakdown["workspace"] = workspace + CUDA_CONTEXT_BYTES
+    breakdown["workspace"] = workspace + (0 if on_cpu else CUDA_CONTEXT_BYTES)
     breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
     notes = [f"traced one step on fake {traced.device} tensors; peak in {traced.peak_phase}"]
     if traced.device == "cpu":
-        notes.append("CPU kernels and CPU autocast rules (device='cpu')")
+        notes.append("a CPU run: CPU kernels and autocast rules, no CUDA context (device='cpu')")
     elif "emulated" in traced.device:
         notes.append("no CUDA here: CUDA's attention kernel and autocast fp32 ops emulated")
     return MemoryEstimate(
@@ -237,6 +285,7 @@ def traced_estimate(
         method="traced",
         phase_peaks=peaks,
         notes=tuple(notes),
+        context_bytes=0 if on_cpu else CUDA_CONTEXT_BYTES,
     )
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from flashckpt.errors import ConfigError
 from flashckpt.memory.recompute.planner import is_wrapped, unwrap_block, wrap_block
+from flashckpt.memory.trace.kernels import KernelRules
 from flashckpt.memory.trace.livebytes import CATEGORIES, LiveBytes
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def fake_step_context(
 
             stack.enter_context(CudaRules())
         stack.enter_context(FakeTensorMode())
+        stack.enter_context(KernelRules())
         stack.enter_context(_swapped(model, param_dtype(precision), device))
         stack.enter_context(_training_mode(model, None))
         stack.enter_context(torch.enable_grad())
@@ -177,10 +179,13 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
-def _warm_up(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+def _warm_up(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], scalars: Callable[[], Any]
+) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt.step()
+    with scalars():
+        opt.step()
     opt.zero_grad(set_to_none=True)
 
 
@@ -194,6 +199,7 @@ def _run(
     precision: str,
     device: torch.device,
     grad_accum: int,
+    scalars: Callable[[], Any],
 ) -> None:
     params = _trainable(model)
     meter.claim((*model.parameters(), *model.buffers()), "params")
@@ -212,7 +218,8 @@ def _run(
             grad_accum=grad_accum,
         )
     meter.set_phase("optimizer")
-    opt.step()
+    with scalars():  # an optimizer's scalar reads (Adafactor's norms) are run, see kernels.py
+        opt.step()
     meter.claim(_state_tensors(opt), "optimizer")
     meter.set_phase("zero_grad")
     opt.zero_grad(set_to_none=True)
@@ -264,11 +271,13 @@ def trace_step(
     meter = LiveBytes(logits_shape=logits_shape)
     num_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in _trainable(model))
+    scalars: Callable[[], Any] = contextlib.nullcontext
     with contextlib.ExitStack() as stack:
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             stack.enter_context(FakeTensorMode())
+            scalars = stack.enter_context(KernelRules()).concrete_scalars
             stack.enter_context(_swapped(model, param_dtype(precision), dev))
         stack.enter_context(_training_mode(model, recompute))
         stack.enter_context(torch.enable_grad())
@@ -280,7 +289,7 @@ def trace_step(
         if not params:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters to train")
         opt = build_optimizer(params, optimizer=optimizer, impl=optimizer_impl)
-        _warm_up(opt, params)
+        _warm_up(opt, params, scalars)
         with meter:
             _run(
                 model,
@@ -291,6 +300,7 @@ def trace_step(
                 precision=precision,
                 device=dev,
                 grad_accum=grad_accum,
+                scalars=scalars,
             )
         del opt, params
     at_peak = {p: {c: meter.at_peak[p].get(c, 0) for c in CATEGORIES} for p in meter.at_peak}

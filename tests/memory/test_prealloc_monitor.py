@@ -36,6 +36,8 @@ def _stats(allocated: int, reserved: int, peak: int, inactive: int = 0, retries:
 
 def test_cpu_preallocate_explains_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the user's own setting wins (issue 29): another test of this worker may have left one
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     env_before = dict(os.environ)
     est = estimate("gpt2", batch_size=8, seq_len=1024)
     report = preallocate(est, settings=AllocatorSettings(memory_fraction=0.5))

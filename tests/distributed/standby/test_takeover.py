@@ -162,7 +162,7 @@ def test_takeovers_through_the_device_staging_standin(tmp_path: Path) -> None:
     """With the CPU stand-in for CUDA (every tensor staged through the device path), a standby
     takes over, saves as the active process, and the next standby restores what it saved."""
     (tmp_path / "standin").touch()
-    launch = Launch(tmp_path, steps=200)  # long enough for a second standby to get ready
+    launch = Launch(tmp_path, steps=600)  # long enough for a second standby to get ready, loaded
     launch.ready_standby()
     launch.kill_active_at(5)
     first = launch.until("the first takeover", lambda: restored(launch)[1:] and restored(launch)[1])

@@ -60,9 +60,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.segments != 1 or args.load != 0:
-        return _run_rounds(args)
-    result = run_chaos(
+    common: dict[str, Any] = dict(
         out=Path(args.dir),
         minutes=args.minutes,
         mtbf_s=args.mtbf_s,
@@ -72,30 +70,17 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         promote_every=args.promote_every,
     )
+    if args.segments != 1 or args.load != 0:  # interleaved rounds (demo/chaos_rounds.py)
+        from flashckpt.demo.chaos_rounds import rounds_table, run_rounds
+
+        result = run_rounds(segments=args.segments, load=args.load, **common)
+        text = rounds_table(result)
+    else:
+        result = run_chaos(**common)
+        text = table(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(table(result))
-    return 0
-
-
-def _run_rounds(args: argparse.Namespace) -> int:
-    from flashckpt.demo.chaos_rounds import rounds_table, run_rounds
-
-    result = run_rounds(
-        out=Path(args.dir),
-        minutes=args.minutes,
-        mtbf_s=args.mtbf_s,
-        segments=args.segments,
-        load=args.load,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
-        seed=args.seed,
-        model=SMOKE_MODEL if args.small else None,
-        threads=args.threads,
-        promote_every=args.promote_every,
-    )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(rounds_table(result))
+    print(text)
     return 0
 
 

@@ -14,13 +14,13 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from flashckpt.errors import ManifestError
 from flashckpt.store.files.jsonfile import depth_of, load_json
 from flashckpt.store.files.limits import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
 from flashckpt.store.format.dtypes import itemsize
+from flashckpt.store.format.manifest_text import tensors_json
 from flashckpt.store.format.tiling import check_tiling
 
 FORMAT = "flashckpt"
@@ -169,37 +169,6 @@ def check_allocatable(entry: TensorEntry, shape: tuple[int, ...] | None = None) 
             "larger machine",
             key=entry.key,
         )
-
-
-def tensors_json(tensors: dict[str, TensorEntry]) -> str:
-    """The JSON text of a manifest's ``tensors`` (what :meth:`Manifest.to_json` writes),
-    rendered as text straight from the entries: building a dict per tensor for ``json.dumps``
-    cost 10 us per tensor, most of a small tensor's save. Keys are escaped by the encoder
-    ``json.dumps`` itself uses; every other value is an int or an allow-listed name."""
-    return "{" + ",".join([_entry_text(k, e) for k, e in tensors.items()]) + "}"
-
-
-def _ints(xs: tuple[int, ...]) -> str:
-    return ",".join([str(int(x)) for x in xs])
-
-
-def _extents(xs: tuple[Extent, ...]) -> str:
-    return ",".join([f"[{x.chunk:d},{x.offset:d},{x.length:d}]" for x in xs])
-
-
-def _entry_text(key: str, e: TensorEntry) -> str:
-    shards = ",".join(
-        [
-            f'{{"offset":[{_ints(s.offset)}],"shape":[{_ints(s.shape)}],"rank":{s.rank:d},'
-            f'"extents":[{_extents(s.extents)}]}}'
-            for s in e.shards
-        ]
-    )
-    return (
-        f'{encode_basestring_ascii(key)}:{{"kind":{encode_basestring_ascii(e.kind)},'
-        f'"dtype":{encode_basestring_ascii(e.dtype)},"global_shape":[{_ints(e.global_shape)}],'
-        f'"shards":[{shards}]}}'
-    )
 
 
 def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) -> Manifest:

@@ -139,25 +139,79 @@ def _journal(path: Path, n: int, *, start: int = 0) -> None:
             f.write(f'{{"t":{1.7e9 + i},"event":"step_time","pid":1,"step":{i},"seconds":0.1}}\n')
 
 
-def test_a_scrape_parses_only_what_was_appended(tmp_path, monkeypatch):
+def test_a_scrape_parses_and_folds_only_what_was_appended(tmp_path):
     """A scrape of a 300k-event journal took 15 s: every scrape parsed the whole journal
-    again. Now a scrape parses the new lines only, and summarizes only when there are any."""
+    again, then every scrape that found a new line summarized all 300k events again. Now a
+    scrape parses the new lines only and folds only those into the summary."""
     root = tmp_path / "root"
     root.mkdir()
     _journal(root / "journal.jsonl", 300_000)
     exp = PrometheusExporter(root, port=0)
     first = exp.summary()
     assert exp.tail.lines_parsed == 300_000 and first.last_step == 299_999
-    calls = []
-    real = summary_mod.summarize
-    monkeypatch.setattr(
-        "flashckpt.report.prometheus.summarize", lambda evs: calls.append(1) or real(evs)
-    )
-    assert exp.summary() is first  # nothing new: no line parsed, nothing summarized
-    assert exp.tail.lines_parsed == 300_000 and calls == []
+    assert exp.fold.folded == 300_000
+    assert exp.summary() is first  # nothing new: no line parsed, nothing folded
+    assert exp.tail.lines_parsed == 300_000 and exp.fold.folded == 300_000
     _journal(root / "journal.jsonl", 5, start=300_000)
-    assert exp.summary().last_step == 300_004
-    assert exp.tail.lines_parsed == 300_005 and calls == [1]
+    now = exp.summary()
+    assert now.last_step == 300_004
+    assert exp.tail.lines_parsed == 300_005 and exp.fold.folded == 300_005
+    assert now == summary_mod.summarize(read_events(root))
+
+
+def test_the_fold_in_pieces_is_the_summary_of_the_whole(tmp_path):
+    """Random journals (several runs, crashes, saves on two ranks, restores, lines a little
+    out of time order) folded in random pieces give exactly the summary of all the events."""
+    import random
+
+    names = [
+        "run_start",
+        "crash_detected",
+        "run_end",
+        "step",
+        "step_time",
+        "save_start",
+        "staged",
+        "durable",
+        "save_failed",
+        "restore",
+        "steps_lost",
+        "restart",
+        "interval",
+        "governor",
+        "corrupt",
+        "save_skipped",
+    ]
+    for seed in range(40):
+        rng = random.Random(seed)
+        t, events = 1.7e9, []
+        for i in range(rng.randrange(1, 300)):
+            t += rng.uniform(-0.5, 3.0)  # now and then a line older than the one before
+            e = {
+                "event": rng.choice(names),
+                "t": t,
+                "pid": rng.choice([1, 2]),
+                "rank": rng.choice([None, 0, 0, 1]),
+                "step": rng.randrange(0, 60),
+            }
+            e.update(
+                seconds=rng.uniform(0, 2),
+                blocking_s=rng.uniform(0, 1),
+                new_bytes=rng.randrange(1000),
+                tier=rng.choice(["memory", "local"]),
+                background_s=rng.uniform(0, 2),
+                restart_seconds=rng.uniform(0, 9),
+                last_step=rng.randrange(60),
+                steps=rng.randrange(5),
+            )
+            events.append(e)
+        fold, at = summary_mod.JournalFold(), 0
+        while at < len(events):
+            step = rng.randrange(1, 40)
+            fold.extend(events[at : at + step])
+            at += step
+            assert fold.summary() == summary_mod.summarize(events[:at]), (seed, at)
+        assert fold.save_records() == summary_mod.save_records(events)
 
 
 def test_tail_keeps_a_torn_line_until_it_is_complete_and_rereads_a_replaced_journal(tmp_path):

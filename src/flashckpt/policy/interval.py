@@ -23,6 +23,7 @@ from flashckpt.units import finite_number
 
 __all__ = [
     "CrashHistory",
+    "RunSplitter",
     "crash_history",
     "estimate_mtbf_s",
     "expected_waste_fraction",
@@ -121,6 +122,63 @@ def _num(value: Any) -> float | None:
     return finite_number(value)
 
 
+class RunSplitter:
+    """:func:`crash_history` one event at a time: :meth:`add` the primary events in time order
+    (``add`` returns False, changing nothing, for one older than the last: the caller starts
+    over with the events sorted), :meth:`history` at any point. A reader that polls a growing
+    journal (the Prometheus exporter) pays for what was appended, not for the whole journal."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[float]] = []  # [start, last]
+        self.clean: list[bool] = []
+        self.failures = 0
+        self.opener: Any = None  # pid of the process that opened the newest run, while fresh
+        self.last_t = -math.inf
+
+    def _opens_run(self, e: Mapping[str, Any]) -> bool:
+        """A run_start/crash_detected opens a run unless it follows the other one of the pair
+        from the same process (nothing else journaled in between)."""
+        return not self.runs or self.opener is None or self.opener != e.get("pid", self.opener)
+
+    def add(self, e: Mapping[str, Any]) -> bool:
+        t, name = float(e["t"]), e.get("event")
+        if t < self.last_t:
+            return False
+        self.last_t = t
+        runs, clean = self.runs, self.clean
+        if name in ("crash_detected", "run_start"):
+            if self._opens_run(e):
+                if name == "run_start" and runs and e.get("clean_previous") is True:
+                    clean[-1] = True
+                runs.append([t, t])
+                clean.append(False)
+                self.opener = e.get("pid", "?")
+            if name == "crash_detected":
+                self.failures += 1
+                since = e.get("since_t")
+                if len(runs) > 1 and isinstance(since, (int, float)):
+                    crashed = runs[-2]
+                    if crashed[0] <= since <= runs[-1][0]:
+                        crashed[1] = max(crashed[1], float(since))
+        else:
+            if not runs:
+                runs.append([t, t])
+                clean.append(False)
+            self.opener = None
+            if name == "run_end":
+                clean[-1] = True
+        runs[-1][1] = max(runs[-1][1], t)
+        return True
+
+    def history(self) -> CrashHistory:
+        runs, clean = self.runs, self.clean
+        gaps = tuple(
+            max(0.0, runs[i + 1][0] - runs[i][1]) for i in range(len(runs) - 1) if not clean[i]
+        )
+        uptime = sum(last - start for start, last in runs)
+        return CrashHistory(uptime_s=uptime, failures=self.failures, runs=len(runs), gaps_s=gaps)
+
+
 def crash_history(events: Iterable[Mapping[str, Any]]) -> CrashHistory:
     """Split the journal into runs and total their uptime, failures and restart gaps.
 
@@ -132,46 +190,10 @@ def crash_history(events: Iterable[Mapping[str, Any]]) -> CrashHistory:
     (the steps it trained after its last checkpoint are counted as lost work, not as downtime).
     Without any ``run_start`` the whole journal counts as one run.
     """
-    evs = primary_events(events)
-    runs: list[list[float]] = []  # [start, last]
-    clean: list[bool] = []
-    failures = 0
-    opener: Any = None  # pid of the process that opened the newest run, while it is fresh
-
-    def opens_run(e: Mapping[str, Any]) -> bool:
-        """A run_start/crash_detected opens a run unless it follows the other one of the pair
-        from the same process (nothing else journaled in between)."""
-        return not runs or opener is None or opener != e.get("pid", opener)
-
-    for e in evs:
-        t, name = float(e["t"]), e.get("event")
-        if name in ("crash_detected", "run_start"):
-            if opens_run(e):
-                if name == "run_start" and runs and e.get("clean_previous") is True:
-                    clean[-1] = True
-                runs.append([t, t])
-                clean.append(False)
-                opener = e.get("pid", "?")
-            if name == "crash_detected":
-                failures += 1
-                since = e.get("since_t")
-                if len(runs) > 1 and isinstance(since, (int, float)):
-                    crashed = runs[-2]
-                    if crashed[0] <= since <= runs[-1][0]:
-                        crashed[1] = max(crashed[1], float(since))
-        else:
-            if not runs:
-                runs.append([t, t])
-                clean.append(False)
-            opener = None
-            if name == "run_end":
-                clean[-1] = True
-        runs[-1][1] = max(runs[-1][1], t)
-    gaps = tuple(
-        max(0.0, runs[i + 1][0] - runs[i][1]) for i in range(len(runs) - 1) if not clean[i]
-    )
-    uptime = sum(last - start for start, last in runs)
-    return CrashHistory(uptime_s=uptime, failures=failures, runs=len(runs), gaps_s=gaps)
+    split = RunSplitter()
+    for e in primary_events(events):
+        split.add(e)
+    return split.history()
 
 
 def estimate_mtbf_s(

@@ -3,8 +3,9 @@
 The textfile needs nothing beyond the standard library. The HTTP endpoint uses
 ``prometheus_client`` (``pip install 'flashckpt[metrics]'``), listens on 127.0.0.1 unless told
 otherwise, and reads the journal incrementally: each scrape parses only the lines appended since
-the last one (:class:`~flashckpt.journal.JournalTail`), and summarizes again only when there
-were any.
+the last one (:class:`~flashckpt.journal.JournalTail`) and folds only those into the summary
+(:class:`~flashckpt.report.summary.JournalFold`); the journal already there is read when the
+server starts, before the first scrape.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from flashckpt.errors import ConfigError
 from flashckpt.journal import JournalTail
-from flashckpt.report.summary import Event, RunSummary, load_events, summarize
+from flashckpt.report.summary import Event, JournalFold, RunSummary, load_events, summarize
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +209,19 @@ class PrometheusExporter:
         self.root, self.addr, self.port = Path(root), addr, port
         self._server: Any = None
         self.tail = JournalTail(self.root)
+        self.fold = JournalFold()
         self._summary: RunSummary | None = None
 
     def summary(self) -> RunSummary:
-        """The run summary as of now: the journal's new lines parsed, summarized again only
-        when there were any."""
-        if self.tail.poll() or self._summary is None:
-            self._summary = summarize(self.tail.events)
+        """The run summary as of now: the journal's new lines parsed and folded in (a
+        replaced or truncated journal is folded again from its start)."""
+        resets = self.tail.resets
+        new = self.tail.poll()
+        if self.tail.resets != resets:
+            self.fold = JournalFold()
+        if new or self._summary is None or self.tail.resets != resets:
+            self.fold.extend(self.tail.events[len(self.fold.events) :])
+            self._summary = self.fold.summary()
         return self._summary
 
     def collect(self) -> Iterator[Any]:
@@ -237,6 +244,7 @@ class PrometheusExporter:
     def start(self) -> PrometheusExporter:
         from prometheus_client import CollectorRegistry, start_http_server
 
+        self.summary()  # read the journal already there now, not in the first scrape
         registry = CollectorRegistry()
         registry.register(self)  # type: ignore[arg-type]
         server, _thread = start_http_server(self.port, addr=self.addr, registry=registry)

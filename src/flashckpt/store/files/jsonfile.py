@@ -83,7 +83,13 @@ def load_json(
         raise error(f"{where}: JSON nested too deeply to be a flashckpt file") from None
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
         raise error(f"{where}: not valid JSON ({str(exc)[:200]})") from None
-    if max_depth is not None and depth_of(doc, limit=max_depth) > max_depth:
+    # nesting never exceeds the number of objects and lists: a flat document (a journal line)
+    # needs no walk
+    if (
+        max_depth is not None
+        and containers > max_depth
+        and depth_of(doc, limit=max_depth) > max_depth
+    ):
         raise error(f"{where}: JSON nested deeper than {max_depth} levels")
     return doc
 

@@ -8,7 +8,7 @@ of its own shards). ``--crash-at N`` kills every rank at step N on the first att
 ``torchrun --max-restarts 1`` you see a crash and an automatic resume in one command.
 
 Multi-node: ``torchrun --nnodes 2 --node-rank <i> --rdzv-endpoint host:29500 ...`` with
-``--root`` on a filesystem every node sees (see the README, "Distributed checkpoints").
+``--root`` on a filesystem every node sees (docs/guides/distributed.md).
 Uses NCCL + CUDA when available, else gloo on CPU.
 """
 

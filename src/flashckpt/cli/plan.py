@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="will a model fit on a GPU: memory breakdown, recompute plan, batch size, GPU count",
-        description="Estimate per-GPU training memory and plan around it (README: Memory).",
+        description="Estimate per-GPU training memory and plan around it (docs/guides/memory.md).",
     )
     p.add_argument(
         "--model", required=True, help=f"a name ({', '.join(known_shapes())}) or CONFIG.json"

@@ -1,6 +1,6 @@
 """GPU memory planning: will it fit, what to recompute, what to reserve, and watching the run.
 
-See the README, "Memory planning". A real model is measured: one training step traced on fake
+See docs/guides/memory.md. A real model is measured: one training step traced on fake
 tensors (:mod:`flashckpt.memory.trace.measure`). Shapes use formulas: ZeRO (Rajbhandari et al.
 2020) for model states, Korthikanti et al. 2022 for activations (:mod:`.formula`).
 """

@@ -6,7 +6,7 @@ model's own inputs and loss (a Hugging Face causal LM: ``input_ids``/``labels`` 
 ``output.loss``; any other module: ``inputs=`` and ``loss_fn=``). :func:`traced_estimate`
 turns the metered phases into a :class:`MemoryEstimate`; data-parallel sharding (ZeRO 1-3 /
 FSDP), 8-bit Adam and optimizer CPU offload are applied to the metered states afterwards, so
-one trace answers every world size (see the README's limits for what is and is not traced).
+one trace answers every world size (docs/guides/memory.md, "Limits", says what is and is not traced).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ Contract of a ``DeviceOps`` (``device`` arguments are strings such as ``"cuda:1"
    copies issued inside it; ``run(stream, fn)`` runs device work (a fingerprint) on the stream
    and returns its host result; ``synchronize(stream)`` waits until the work issued on it so
    far has completed.
-5. ``pin(nbytes, device)`` pinned host memory (``device``: where the pinning context lives,
-   None for one that exists already), ``is_pinned(tensor)``, and ``empty_host_cache()``:
-   give the pinned blocks no tensor uses back to the system (torch keeps them cached).
+5. ``register(tensor, device)`` page-locks a contiguous host tensor's bytes (``device``: where
+   the context it needs lives, None for one that exists already; raises RuntimeError when it
+   cannot), ``unregister(tensor)`` unlocks them, and ``is_pinned(tensor)``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ class DeviceOps(Protocol):
     def use(self, stream: Any) -> AbstractContextManager[Any]: ...
     def run(self, stream: Any, fn: Callable[[], T]) -> T: ...
     def synchronize(self, stream: Any) -> None: ...
-    def pin(self, nbytes: int, device: str | None) -> torch.Tensor: ...
+    def register(self, t: torch.Tensor, device: str | None) -> None: ...
+    def unregister(self, t: torch.Tensor) -> None: ...
     def is_pinned(self, t: torch.Tensor) -> bool: ...
-    def empty_host_cache(self) -> None: ...
 
 
 class CudaOps:
@@ -111,21 +111,25 @@ class CudaOps:
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
 
-    def pin(self, nbytes: int, device: str | None) -> torch.Tensor:
-        # torch's pinned allocator makes its context on a device that has one already; under
-        # ``device`` when none has (never the current device, GPU 0, of another rank's GPU)
-        with torch.cuda.device(device) if device is not None else nullcontext():
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def register(self, t: torch.Tensor, device: str | None) -> None:
+        # cudaHostRegister needs a context: under ``device`` when none exists yet (never the
+        # current device, GPU 0, of another rank's GPU)
+        try:
+            with torch.cuda.device(device) if device is not None else nullcontext():
+                nbytes = t.numel() * t.element_size()
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        except (AssertionError, AttributeError) as exc:  # a torch built without CUDA
+            raise RuntimeError(f"no CUDA to pin host memory with: {exc}") from exc
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes: {err}")
+
+    def unregister(self, t: torch.Tensor) -> None:
+        err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostUnregister: {err}")
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return bool(t.is_pinned())
-
-    def empty_host_cache(self) -> None:
-        free = getattr(torch._C, "_host_emptyCache", None) or getattr(
-            torch._C, "_accelerator_emptyHostCache", None
-        )
-        if free is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            free()
 
 
 OPS: DeviceOps = CudaOps()

@@ -188,6 +188,10 @@ class FakeDevice:
         self._pinned_cached: list[int] = []  # sizes of freed blocks kept by the cache
         self.pinned_peak_bytes = 0
         self.largest_pin_bytes = 0
+        # host memory page-locked by cudaHostRegister: start pointer -> bytes
+        self._registered: dict[int, int] = {}
+        self.registers = 0  # cudaHostRegister calls
+        self.fail_register_at: int | None = None  # the call (1-based) that fails
         self.pin_threads: list[str] = []
         self._real_copy: Any = None
         self._real_empty: Any = None
@@ -371,11 +375,36 @@ class FakeDevice:
     # -- pinned memory -------------------------------------------------------------------------
     @property
     def pinned_bytes(self) -> int:
-        return sum(self._pinned_live.values()) + sum(self._pinned_cached)
+        return sum(self._pinned_live.values()) + sum(self._pinned_cached) + self.registered_bytes
 
-    def pin(self, nbytes: int, device: Any) -> torch.Tensor:
+    @property
+    def registered_bytes(self) -> int:
+        return sum(self._registered.values())
+
+    def register(self, t: torch.Tensor, device: Any) -> None:
+        """cudaHostRegister: page-lock ``t``'s bytes (needs a context, like the real call)."""
+        if not self.pinnable:
+            raise RuntimeError("no pinned memory on this host (fake)")
         idx = _index(device)
-        return self._pin(nbytes, self._pin_device() if idx is None else idx)
+        nbytes = t.numel() * t.element_size()
+        with self._lock:
+            self.registers += 1
+            if self.registers == self.fail_register_at:
+                raise RuntimeError("cudaHostRegister: out of memory (fake)")
+            ptr = t.data_ptr()
+            end = ptr + nbytes
+            for start, n in self._registered.items():  # the real call refuses an overlap
+                assert end <= start or ptr >= start + n, "registered twice"
+            self.contexts.add(self._pin_device() if idx is None else idx)
+            self.pin_threads.append(threading.current_thread().name)
+            self._registered[ptr] = nbytes
+            self.largest_pin_bytes = max(self.largest_pin_bytes, nbytes)
+            self.pinned_peak_bytes = max(self.pinned_peak_bytes, self.pinned_bytes)
+
+    def unregister(self, t: torch.Tensor) -> None:
+        with self._lock:
+            if self._registered.pop(t.data_ptr(), None) is None:
+                raise RuntimeError("cudaHostUnregister: not registered (fake)")
 
     def _pin_device(self) -> int:
         """torch's pinned allocator: a device with a context when one has, else the current."""
@@ -419,7 +448,11 @@ class FakeDevice:
                 self._pinned_cached.append(size)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self._pinned_ptrs
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._pinned_ptrs:
+            return True
+        with self._lock:  # cudaPointerGetAttributes: inside a registered range
+            return any(start <= ptr < start + n for start, n in self._registered.items())
 
     def empty_host_cache(self) -> None:
         with self._lock:

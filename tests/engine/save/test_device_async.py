@@ -17,6 +17,7 @@ from fake_device import FakeDevice, PeakAlloc
 
 import flashckpt
 from flashckpt.engine.save import fingerprint as fingerprints
+from flashckpt.engine.save import staging as staging_mod
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.hooks import copy_unprotected, module_pointers, protected_pointers
 from flashckpt.engine.save.staging import StagingPool
@@ -180,6 +181,33 @@ def test_pinned_arena_stays_within_the_budget_over_20_growing_saves(tmp_path, fa
             assert fake.pinned_bytes <= budget, f"step {step}: {fake.pinned_bytes} pinned"
     assert 0 < fake.pinned_peak_bytes <= budget
     assert fake.pinned_bytes == 0, "close left pinned memory cached"
+
+
+def test_pinned_arena_is_page_locked_in_pieces_and_unlocked_on_growth_and_close(fake, monkeypatch):
+    """Issue 29, defect 4: the warm-up pinned the whole arena with one cudaHostAlloc, holding
+    the driver's global lock for seconds per GB (the training thread's launches waited). Now
+    it is page-locked in pieces, each a short call; growth unlocks the old arena before the
+    new one is locked, and close unlocks everything."""
+    monkeypatch.setattr(staging_mod, "PIN_PIECE", 256 << 10)
+    pool = staging_mod.StagingPool(budget_bytes=4 << 20, chunk_bytes=256 << 10)
+    pool.reserve(needed_bytes=1 << 20, pin=True, device="cuda:1")
+    assert pool.pinned and fake.is_pinned(pool.view(4096, 16))
+    assert fake.registers == 4 and fake.largest_pin_bytes == 256 << 10
+    assert fake.registered_bytes == 1 << 20 and 1 in fake.contexts
+    pool.reserve(needed_bytes=3 << 20, pin=True)  # grows: the old pieces are unlocked first
+    assert fake.registered_bytes == 3 << 20 and fake.pinned_peak_bytes == 3 << 20
+    pool.close()
+    assert fake.registered_bytes == 0
+
+
+def test_a_piece_that_cannot_be_pinned_leaves_nothing_locked_and_stages_pageable(fake, monkeypatch):
+    monkeypatch.setattr(staging_mod, "PIN_PIECE", 256 << 10)
+    fake.fail_register_at = 3
+    pool = staging_mod.StagingPool(budget_bytes=4 << 20, chunk_bytes=256 << 10)
+    pool.reserve(needed_bytes=1 << 20, pin=True, device="cuda:0")
+    assert not pool.pinned and pool.capacity_bytes == 1 << 20
+    assert fake.registered_bytes == 0, "the two pieces locked before the failure stay locked"
+    pool.view(0, 8).fill_(7)  # pageable, and usable
 
 
 # -- 6. non_blocking D2H copies into pinned CPU tensors of the state are waited on ---------------

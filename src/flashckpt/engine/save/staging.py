@@ -6,12 +6,14 @@ instead of waiting on writes for lack of fixed-size slots), and gives it back in
 when the chunk is written. The arena is at least one full chunk, so one chunk is always
 admitted when nothing is in flight and a state larger than the budget flows through in waves
 without deadlock. Ranges start on 4096-byte boundaries so the disk tier can write them with
-O_DIRECT (store/files/directio.py). On CUDA the arena is pinned (allocated once, since
-``cudaHostAlloc`` is slow); if pinning fails it falls back to pageable memory with a warning.
-Pinned memory stays within ``host_memory_budget``: torch's pinned allocator rounds a request up
-to a power of two (the arena takes all of it, or the largest power of two that fits), an arena
-that grows gives its old pages back to the system before it asks for the new ones, and close
-gives them back too (torch would otherwise keep freed pinned blocks cached: 2-3x the budget).
+O_DIRECT (store/files/directio.py). On CUDA the arena is pinned: page-aligned anonymous memory,
+page-locked in pieces of :data:`PIN_PIECE` with ``cudaHostRegister`` (one ``cudaHostAlloc`` of the
+whole arena would hold the driver's global lock for seconds per GB, stalling the training thread's
+launches, and torch's pinned allocator rounds it up to a power of two and caches it after free).
+The arena is exactly what the save needs, within ``host_memory_budget``; an arena that grows
+unregisters and gives its old pages back before it asks for the new ones, and close does the
+same. If pinning fails it falls back to pageable memory with a warning (the pieces already
+locked are unlocked).
 The pinning goes through engine/device.py, under the device of the save's first device chunk.
 
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import threading
 
 import torch
@@ -38,6 +41,9 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 TOUCH_PIECE = 64 << 20  # warm() checks its stop event this often
+PIN_PIECE = (
+    64 << 20
+)  # bytes page-locked per cudaHostRegister call (the driver lock is free between)
 
 
 class StagingPool:
@@ -79,8 +85,6 @@ class StagingPool:
     def _reserve_locked(self, needed_bytes: int, pin: bool, device: str | None = None) -> bool:
         """:meth:`reserve` under the lock; True when it allocated a new arena."""
         want = min(self.budget_bytes, max(self.chunk_bytes, aligned(needed_bytes)))
-        if pin:
-            want = self._pinned_size(want)
         if want <= self.capacity_bytes and (self._pin_tried or not pin):
             return False  # (pinning is tried once: a host that refused it is not asked again)
         want = max(want, self.capacity_bytes)
@@ -88,7 +92,8 @@ class StagingPool:
         self._arena, self._file_backed, self._pinned = self._alloc(want, pin, device)
         self._pin_tried = self._pin_tried or pin
         self._free = [(0, want)]
-        self._touched = want if self._file_backed else 0  # a mapped file arena is resident
+        # a mapped file arena is resident, and so is a page-locked one
+        self._touched = want if self._file_backed or self._pinned else 0
         return True
 
     def _alloc(self, nbytes: int, pin: bool, device: str | None) -> tuple[torch.Tensor, bool, bool]:
@@ -108,10 +113,11 @@ class StagingPool:
         return _alloc(nbytes), False, False
 
     def _drop_arena(self) -> None:
-        """Let go of the arena; a pinned one's pages go back to the system at once."""
-        pinned, self._arena, self._pinned = self._pinned, None, False
-        if pinned:
-            devices.current().empty_host_cache()
+        """Let go of the arena; a pinned one is unlocked first (its pages go back to the system
+        when the last view of it is dropped)."""
+        arena, pinned, self._arena, self._pinned = self._arena, self._pinned, None, False
+        if pinned and arena is not None:
+            _unregister(arena, arena.numel())
 
     def warm(
         self, *, needed_bytes: int, pin: bool, stop: threading.Event, device: str | None = None
@@ -126,7 +132,7 @@ class StagingPool:
                 return
             self._reserve_locked(needed_bytes, pin, device)
             if self._arena is None or self._pinned:
-                return  # a pinned arena is resident already (cudaHostAlloc locks its pages)
+                return  # a pinned arena is resident already (page-locking faults its pages in)
             flat = self._arena.numpy()
             while self._touched < flat.size and not stop.is_set():
                 end = min(flat.size, self._touched + TOUCH_PIECE)
@@ -159,15 +165,6 @@ class StagingPool:
             self._file_backed = False
             self._free = []
             self._touched = 0
-
-    def _pinned_size(self, want: int) -> int:
-        """torch's pinned-memory allocator rounds every request up to a power of two, so a
-        pinned arena of ``want`` bytes costs the next power of two: use all of it when that
-        fits the budget, else the largest power of two that does (at least one chunk)."""
-        up = 1 << (want - 1).bit_length()
-        if up <= self.budget_bytes:
-            return up
-        return max(self.chunk_bytes, 1 << (self.budget_bytes.bit_length() - 1))
 
     def try_acquire(self, nbytes: int) -> int | None:
         """The start of a free range of ``nbytes`` (first fit), or None when none is free."""
@@ -217,21 +214,31 @@ class StagingPool:
 
 
 def _pin(nbytes: int, device: str | None) -> torch.Tensor | None:
-    """``nbytes`` of pinned memory on a page boundary, or None (logged: use pageable). Never
-    asks twice: cudaHostAlloc returns whole pages, and a second, larger request to align one
-    that was not would cost the next power of two again."""
+    """``nbytes`` of page-aligned memory page-locked in pieces of :data:`PIN_PIECE`, or None
+    (logged: use pageable; whatever was locked is unlocked again)."""
     ops = devices.current()
+    arena = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # page-aligned
+    done = 0
     try:
-        raw = ops.pin(nbytes, device)
+        while done < nbytes:
+            piece = min(PIN_PIECE, nbytes - done)
+            ops.register(arena[done : done + piece], device)
+            done += piece
     except RuntimeError as exc:
+        _unregister(arena, done)
         log.warning("could not pin %d bytes of staging memory (%s); using pageable", nbytes, exc)
         return None
-    if raw.data_ptr() % ALIGN == 0:
-        return raw
-    del raw
-    ops.empty_host_cache()
-    log.warning("pinned staging memory is not page-aligned; using pageable memory")
-    return None
+    return arena
+
+
+def _unregister(arena: torch.Tensor, nbytes: int) -> None:
+    """Unlock the first ``nbytes`` of ``arena`` (locked by :func:`_pin`, piece by piece)."""
+    ops = devices.current()
+    for start in range(0, nbytes, PIN_PIECE):
+        try:
+            ops.unregister(arena[start : min(nbytes, start + PIN_PIECE)])
+        except RuntimeError as exc:  # the pages stay locked until the process ends
+            log.warning("could not unpin staging memory: %s", exc)
 
 
 def _alloc(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ speed (the same 512 MiB: 0.03 s to map, 0.05 s to copy).
 Rules:
 
 * only on a memory filesystem (a file on a disk would write every staged byte back to it), only
-  for a pageable arena (a pinned one comes from ``cudaHostAlloc``), and only when the tier keeps
+  for a pageable arena (a pinned one is page-locked anonymous memory), and only when the tier keeps
   room for :data:`ROOM_FACTOR` arenas' worth of checkpoints besides it (it shares /dev/shm with
   the checkpoints the tier holds; a tight /dev/shm keeps using anonymous memory, as before);
 * the pages are allocated with ``posix_fallocate`` before they are mapped: a full tmpfs is an

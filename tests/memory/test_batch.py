@@ -42,7 +42,7 @@ def test_trial_search_finds_the_exact_largest_and_never_tries_zero(capacity: int
 
 def test_trial_confirms_and_corrects_a_too_optimistic_model() -> None:
     budget = 24 * 1024**3
-    guess = model_max_batch_size("gpt2", budget_bytes=int(budget / 1.05), seq_len=1024)
+    guess = model_max_batch_size("gpt2", budget_bytes=budget, seq_len=1024)
     device = FakeDevice(capacity=1000 + 100 * (guess // 2))  # the real device holds half
 
     def trial(b: int) -> int:
@@ -53,6 +53,16 @@ def test_trial_confirms_and_corrects_a_too_optimistic_model() -> None:
     assert result.model_batch_size == guess
     assert result.batch_size == guess // 2
     assert device.calls[0] == guess
+
+
+def test_largest_batch_from_the_model_is_exact_at_the_boundary() -> None:
+    """Issue 32: the largest batch came out one below the truth: max_batch_size shrank the
+    budget by safety_margin on top of the estimate's own fragmentation margin. A budget of
+    exactly batch 6's estimated peak gives 6, through either entry point."""
+    need = estimate("gpt2", batch_size=6, seq_len=1024).peak_bytes
+    assert model_max_batch_size("gpt2", budget_bytes=need, seq_len=1024) == 6
+    assert max_batch_size("gpt2", budget_bytes=need, seq_len=1024).batch_size == 6
+    assert model_max_batch_size("gpt2", budget_bytes=need - 1, seq_len=1024) == 5
 
 
 def test_safety_margin_is_applied() -> None:

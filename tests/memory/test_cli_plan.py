@@ -213,7 +213,8 @@ def test_plan_without_gpu_sizes_a_cpu_run(
     assert re.search(r"workspace\s+0 B", out)
     peak = re.search(r"peak \(phase-aware\)\s+([\d.]+) MiB", out)
     real = measured_peak(tiny("llama"), batch=2, seq=128) / 2**20
-    assert peak and float(peak[1]) == pytest.approx(real * 1.05, rel=0.02)  # + 5% margin
+    # a CPU run: no caching allocator, so no fragmentation margin on top of the live bytes
+    assert peak and float(peak[1]) == pytest.approx(real, rel=0.02)
     code, out = _run(capsys, *argv, "--gpu-memory", "1MiB")
     assert "DOES NOT FIT" in out
     with pytest.raises(ConfigError, match="pass --gpu NAME"):

@@ -22,6 +22,7 @@ import logging
 import math
 
 from flashckpt.memory import activations as act
+from flashckpt.memory.allocator.blocks import ROUND_LARGE, pool_slack
 from flashckpt.memory.options import (
     _PRECISION_BYTES,
     ALLOCATOR_WORKSPACE_BYTES,
@@ -103,7 +104,7 @@ def formula_estimate(
     breakdown = dict(states)
     breakdown |= {"activations": activations, "logits": logits, "optimizer_temp": temp}
     breakdown["workspace"] = workspace + CUDA_CONTEXT_BYTES
-    breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
+    breakdown["fragmentation_margin"] = _margin(opts, allocated)
     breakdown = {key: breakdown[key] for key in BREAKDOWN_KEYS}
     return MemoryEstimate(
         shape=shape,
@@ -117,3 +118,17 @@ def formula_estimate(
             "optimizer": workspace + static + step,
         },
     )
+
+
+def _margin(opts: EstimateOptions, allocated: int) -> int:
+    """The fragmentation margin of a closed-form estimate: ``fragmentation_fraction`` of the
+    peak when set, else the allocator's rules (memory/allocator/blocks.py) for tensors the
+    formula does not list one by one: the pools' partly empty segments, and without expandable
+    segments the 2 MiB rounding of each large block, about 1 MiB per 200 MiB held (large
+    blocks of a transformer step are tens to hundreds of MiB)."""
+    if opts.fragmentation_fraction is not None:
+        return math.ceil(opts.fragmentation_fraction * allocated)
+    slack = pool_slack(expandable=opts.expandable_segments)
+    if opts.expandable_segments:
+        return slack
+    return slack + math.ceil(allocated / (100 * ROUND_LARGE)) * ROUND_LARGE // 2

@@ -187,7 +187,10 @@ class EstimateOptions:
     residual_fp32: bool | None = None
     trainable_fraction: float = 1.0
     optimizer_offload: bool = False
-    fragmentation_fraction: float = 0.05
+    # None: the margin comes from the allocator's rules (memory/allocator/blocks.py) for the
+    # setting below; a number: that share of the allocated peak instead
+    fragmentation_fraction: float | None = None
+    expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF (flashckpt.memory.preallocate)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.seq_len < 1:
@@ -202,8 +205,12 @@ class EstimateOptions:
         _check_fraction(self.trainable_fraction)
         if self.grad_accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum}; must be >= 1 micro-batch")
-        if not 0 <= self.fragmentation_fraction < 1:
-            raise ConfigError("fragmentation_fraction must be in [0, 1), e.g. 0.05")
+        frac = self.fragmentation_fraction
+        if frac is not None and (isinstance(frac, bool) or not 0 <= frac < 1):
+            raise ConfigError(
+                "fragmentation_fraction must be None (the allocator's rules) or in [0, 1), "
+                f"e.g. 0.05; got {frac!r}"
+            )
 
     def activation_options(self) -> act.ActivationOptions:
         residual_fp32 = self.residual_fp32

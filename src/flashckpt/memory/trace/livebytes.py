@@ -8,6 +8,10 @@ real run: the same meter, two kinds of tensor. This is the approach of torch's o
 ``torch.distributed._tools.mem_tracker``; the meter also keeps, for each phase, the peak and
 what was live at that moment (parameters, gradients, optimizer state, logits, the rest).
 
+It also keeps what CUDA's caching allocator would reserve for the same live tensors, block
+rounding included (:mod:`flashckpt.memory.allocator.blocks`), with and without expandable
+segments: ``reserved_peaks``, from which the estimate takes its fragmentation margin.
+
 Memory a kernel allocates internally (cuBLAS workspaces, FlashAttention scratch) never appears
 as an op output and is not seen; the estimate adds a constant for it.
 """
@@ -23,6 +27,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from flashckpt.memory.allocator.blocks import reserved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,10 @@ class LiveBytes(TorchDispatchMode):
         self.peaks: dict[str, int] = {}
         self.at_peak: dict[str, dict[str, int]] = {}
         self.category_peaks = dict.fromkeys(CATEGORIES, 0)
-        self._entries: dict[int, list[Any]] = {}  # id(storage) -> [weakref, nbytes, category]
+        # id(storage) -> [weakref, nbytes, category, reserved (expandable), reserved (classic)]
+        self._entries: dict[int, list[Any]] = {}
+        self.reserved_live = {True: 0, False: 0}  # by expandable_segments
+        self.reserved_peaks = {True: 0, False: 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -84,8 +93,13 @@ class LiveBytes(TorchDispatchMode):
         if category is None:
             category = "logits" if self._is_logits(t) else "activations"
         ref = weakref.ref(storage, functools.partial(self._on_death, key))
-        self._entries[key] = [ref, nbytes, category]
+        held = (reserved_bytes(nbytes, expandable=True), reserved_bytes(nbytes, expandable=False))
+        self._entries[key] = [ref, nbytes, category, *held]
         self.live += nbytes
+        for expandable, n in zip((True, False), held):
+            self.reserved_live[expandable] += n
+            if self.reserved_live[expandable] > self.reserved_peaks[expandable]:
+                self.reserved_peaks[expandable] = self.reserved_live[expandable]
         self._add(category, nbytes)
         self._note()
 
@@ -131,6 +145,8 @@ class LiveBytes(TorchDispatchMode):
         if entry is not None:
             self.live -= entry[1]
             self.totals[entry[2]] -= entry[1]
+            self.reserved_live[True] -= entry[3]
+            self.reserved_live[False] -= entry[4]
 
     def _note(self) -> None:
         if self.live > self.peaks.get(self.phase, -1):

@@ -6,7 +6,7 @@ model's own inputs and loss (a Hugging Face causal LM: ``input_ids``/``labels`` 
 ``output.loss``; any other module: ``inputs=`` and ``loss_fn=``). :func:`traced_estimate`
 turns the metered phases into a :class:`MemoryEstimate`; data-parallel sharding (ZeRO 1-3 /
 FSDP), 8-bit Adam and optimizer CPU offload are applied to the metered states afterwards, so
-one trace answers every world size (docs/guides/memory.md, "Limits", says what is and is not traced).
+one trace answers every world size (docs/guides/memory.md, "Limits": what is and is not traced).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flashckpt.errors import ConfigError
+from flashckpt.memory.allocator.blocks import pool_slack
 from flashckpt.memory.options import (
     ADAM_8BIT_BYTES_PER_PARAM,
     ALLOCATOR_WORKSPACE_BYTES,
@@ -270,7 +271,15 @@ def traced_estimate(
     breakdown["activations"] = phases[fb]["activations"]
     breakdown["logits"] = phases[fb]["logits"]
     breakdown["workspace"] = workspace + (0 if on_cpu else CUDA_CONTEXT_BYTES)
-    breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
+    if opts.fragmentation_fraction is not None:
+        breakdown["fragmentation_margin"] = math.ceil(opts.fragmentation_fraction * allocated)
+    elif on_cpu:
+        breakdown["fragmentation_margin"] = 0  # a CPU run: no caching allocator to round
+    else:  # what CUDA's caching allocator reserves beyond these bytes (allocator/blocks.py)
+        expandable = opts.expandable_segments
+        breakdown["fragmentation_margin"] = traced.rounding[expandable] + pool_slack(
+            expandable=expandable
+        )
     notes = [f"traced one step on fake {traced.device} tensors; peak in {traced.peak_phase}"]
     if traced.device == "cpu":
         notes.append("a CPU run: CPU kernels and autocast rules, no CUDA context (device='cpu')")

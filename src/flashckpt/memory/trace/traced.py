@@ -50,6 +50,9 @@ class TracedStep:
     device: str
     fake: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # what CUDA's allocator reserves beyond the live bytes at their peak (block and segment
+    # rounding, memory/allocator/blocks.py), by expandable_segments
+    rounding: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
 
     @property
     def peak_bytes(self) -> int:
@@ -311,4 +314,8 @@ def trace_step(
         trainable_params=trainable,
         device="cuda (emulated on CPU)" if cuda_rules else dev.type,
         fake=fake,
+        rounding={
+            m: max(0, meter.reserved_peaks[m] - max(meter.peaks.values(), default=0))
+            for m in (True, False)
+        },
     )

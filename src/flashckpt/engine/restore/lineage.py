@@ -1,0 +1,115 @@
+"""Choosing the copy of each step by lineage (the rule is store/lineage.py's), and this
+writer's own lineage.
+
+:class:`Branch` is one writer's lineage: its run generation (taken once when it opened the
+root) and its branch point, set by its ``restore()`` (the step it returned, or a fresh start
+when it found nothing) and fixed at its first save; a writer that never restored records an
+unknown branch point, which abandons nothing.
+
+:func:`judged_holders` is what restore reads instead of tier order: every tier's copies, judged
+(:func:`flashckpt.store.lineage.judge`); a copy on an abandoned branch (or superseded by a
+newer generation's copy of the same step) is skipped, journaled ``abandoned_copy`` and, in the
+memory tier this writer owns, deleted through the store (its chunks are then collected by gc:
+liveness stays the owner). Disk, remote and tiers of other writers are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import TYPE_CHECKING
+
+from flashckpt.errors import FlashCkptError
+from flashckpt.journal import Journal
+from flashckpt.store.format.lineage import Lineage
+from flashckpt.store.lineage import Copy, Judgement, copy_lineage, judge
+
+if TYPE_CHECKING:
+    from flashckpt.engine.tiers.build import Tier
+    from flashckpt.engine.tiers.tierset import TierSet
+
+log = logging.getLogger(__name__)
+
+
+class Branch:
+    """One writer's lineage (see the module docstring); thread-safe."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self._parent: tuple[int, int] | None = None  # (generation, step); step -1: fresh
+        self._frozen: Lineage | None = None
+        self._lock = threading.Lock()
+
+    def restored(self, step: int | None, generation: int | None) -> None:
+        """``restore()`` returned ``step`` of ``generation`` (``step`` None: it found nothing;
+        ``generation`` None: unknown, so the branch point stays unknown). Ignored once a save
+        fixed the lineage: one generation has one branch point."""
+        with self._lock:
+            if self._frozen is not None:
+                return
+            if step is None:
+                self._parent = (self.generation - 1, -1)
+            elif generation is None:  # loaded from where no lineage was read (a peer's tier)
+                self._parent = None  # unknown: abandons nothing
+            else:
+                self._parent = (min(generation, self.generation - 1), step)
+
+    def lineage(self) -> Lineage:
+        """The lineage of this writer's manifests (fixed by the first call)."""
+        with self._lock:
+            if self._frozen is None:
+                pgen, pstep = self._parent or (self.generation - 1, None)
+                self._frozen = Lineage(
+                    generation=self.generation, parent_generation=pgen, parent_step=pstep
+                )
+            return self._frozen
+
+
+def judged_holders(
+    tiers: TierSet, journal: Journal, *, owned: Tier | None
+) -> tuple[dict[int, list[Tier]], Judgement[int]]:
+    """``{step: tiers holding its checkpoint, best first}`` by lineage (never by tier order
+    alone), and the judgement; the copies dropped are journaled and removed from ``owned``."""
+    holders = tiers.holders()
+    order = {id(t): i for i, t in enumerate(tiers.tiers)}
+    copies = [
+        Copy(step=s, where=order[id(t)], order=order[id(t)], lineage=copy_lineage(t.store, s))
+        for s, ts in holders.items()
+        for t in ts
+    ]
+    verdict = judge(copies)
+    doomed: list[int] = []
+    said: list[str] = []
+    for c in verdict.dropped:
+        tier = tiers.tiers[c.where]
+        remove = owned is not None and tier is owned
+        gen = c.lineage.generation if c.lineage is not None else None
+        said.append(f"step {c.step} in the {tier.name} tier (generation {gen})")
+        journal.append(
+            "abandoned_copy",
+            step=c.step,
+            tier=tier.name,
+            generation=gen,
+            newest_generation=verdict.newest,
+            verdict=verdict.verdicts[c],
+            removed=remove,
+        )
+        if remove:
+            doomed.append(c.step)
+    if said:
+        msg = (
+            f"{len(said)} checkpoint copies are on a branch the newest run (generation "
+            f"{verdict.newest}) abandoned or replaced, so they are not restored: "
+            + ", ".join(said)
+            + (f"; removed from {owned.url} (this run's memory tier)" if doomed and owned else "")
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        log.warning(msg)
+    if doomed and owned is not None:
+        try:
+            tiers.drop(owned, doomed)
+        except FlashCkptError as exc:  # skipped anyway; the next restore tries again
+            log.warning("could not remove the abandoned copies %s: %s", doomed, exc)
+    live = {s: [tiers.tiers[c.where] for c in cs] for s, cs in verdict.live.items()}
+    return live, verdict

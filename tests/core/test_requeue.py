@@ -10,6 +10,8 @@ from A. Every attempt is a real process killed with SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 import flashckpt
+from flashckpt.cli import main as cli_main
 from flashckpt.journal import read_events
 from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.format.lineage import Lineage
@@ -73,6 +76,15 @@ def expected(step: int, base: float) -> torch.Tensor:
     return torch.arange(N, dtype=torch.float32) + step + base
 
 
+def ls(root: Path, mem: Path) -> dict[str, str]:
+    """``flashckpt ls``: {step: its row}."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(["ls", str(root), "--memory-tier", str(mem)]) == 0
+    rows = [line.split() for line in buf.getvalue().splitlines()]
+    return {r[0]: " ".join(r) for r in rows if r and r[0].isdigit()}
+
+
 def abandoned(root: Path) -> set[tuple[int, str]]:
     return {(e["step"], e["tier"]) for e in read_events(root) if e["event"] == "abandoned_copy"}
 
@@ -85,6 +97,12 @@ def test_requeue_onto_the_old_node_restores_the_later_run(tmp_path) -> None:
     out = attempt(root, node_b, every=1, base=100.0, steps=[5, 6])
     assert "restored 4" in out
     assert steps_in(root) == [1, 4, 5, 6]
+    listing = ls(root, node_a)
+    assert "memory (abandoned),local" in listing["6"] and "abandoned" not in listing["4"]
+    reader = {"w": torch.zeros(N), "meta": None}  # a read-only reader (an eval process)
+    assert flashckpt.restore(root, reader, memory_tier=str(node_a)) == 6
+    assert torch.equal(reader["w"], expected(6, 100.0))
+    assert steps_in(node_a) == [1, 2, 3, 4, 5, 6]  # a reader removes nothing
     step, state = restore_on(root, node_a)
     assert step == 6
     assert torch.equal(state["w"], expected(6, 100.0))  # attempt 2's bytes, bit for bit

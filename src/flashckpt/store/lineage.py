@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -41,6 +41,7 @@ from flashckpt.store.format.names import step_name
 from flashckpt.store.store import CheckpointStore
 
 W = TypeVar("W", bound=Hashable)
+H = TypeVar("H")
 
 LIVE, ABANDONED, SUPERSEDED = "live", "abandoned", "superseded"
 
@@ -143,6 +144,22 @@ def judge(copies: Iterable[Copy[W]]) -> Judgement[W]:
         # the winners in tier order, then unreadable copies (their load reports the damage)
         out.live[step] = sorted(cs, key=lambda c: (c.lineage is None, c.order))
     return out
+
+
+def judge_held(
+    held: Mapping[int, Sequence[H]], store_of: Callable[[H], CheckpointStore]
+) -> tuple[dict[int, list[H]], Judgement[tuple[int, int]]]:
+    """Judge ``{step: its holders, fastest tier first}`` (a holder is anything ``store_of``
+    turns into its store): ``{step: the holders of its checkpoint, best first}`` and the
+    judgement (a copy's ``where`` is ``(step, index in held[step])``)."""
+    copies = [
+        Copy(step=s, where=(s, i), order=i, lineage=copy_lineage(store_of(h), s))
+        for s, hs in held.items()
+        for i, h in enumerate(hs)
+    ]
+    verdict = judge(copies)
+    live = {s: [held[s][c.where[1]] for c in cs] for s, cs in verdict.live.items()}
+    return live, verdict
 
 
 def copy_lineage(store: CheckpointStore, step: int) -> Lineage | None:

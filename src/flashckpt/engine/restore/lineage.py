@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.store.format.lineage import Lineage
-from flashckpt.store.lineage import Copy, Judgement, copy_lineage, judge
+from flashckpt.store.lineage import Judgement, judge_held
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
@@ -68,21 +68,15 @@ class Branch:
 
 def judged_holders(
     tiers: TierSet, journal: Journal, *, owned: Tier | None
-) -> tuple[dict[int, list[Tier]], Judgement[int]]:
+) -> tuple[dict[int, list[Tier]], Judgement[tuple[int, int]]]:
     """``{step: tiers holding its checkpoint, best first}`` by lineage (never by tier order
     alone), and the judgement; the copies dropped are journaled and removed from ``owned``."""
-    holders = tiers.holders()
-    order = {id(t): i for i, t in enumerate(tiers.tiers)}
-    copies = [
-        Copy(step=s, where=order[id(t)], order=order[id(t)], lineage=copy_lineage(t.store, s))
-        for s, ts in holders.items()
-        for t in ts
-    ]
-    verdict = judge(copies)
+    held = tiers.holders()  # fastest tier first (engine/tiers/tierset.py)
+    live, verdict = judge_held(held, lambda t: t.store)
     doomed: list[int] = []
     said: list[str] = []
     for c in verdict.dropped:
-        tier = tiers.tiers[c.where]
+        tier = held[c.step][c.where[1]]
         remove = owned is not None and tier is owned
         gen = c.lineage.generation if c.lineage is not None else None
         said.append(f"step {c.step} in the {tier.name} tier (generation {gen})")
@@ -111,5 +105,4 @@ def judged_holders(
             tiers.drop(owned, doomed)
         except FlashCkptError as exc:  # skipped anyway; the next restore tries again
             log.warning("could not remove the abandoned copies %s: %s", doomed, exc)
-    live = {s: [tiers.tiers[c.where] for c in cs] for s, cs in verdict.live.items()}
     return live, verdict

@@ -42,8 +42,7 @@ from typing import Any, TypeVar
 
 from flashckpt.distributed.attempt import SaveAttempt
 from flashckpt.distributed.commit import DistSaveJob
-from flashckpt.distributed.group.barrier import raise_failed
-from flashckpt.distributed.group.context import DistContext
+from flashckpt.distributed.group.context import DistContext, agree_generation
 from flashckpt.distributed.group.nodes import NodeMap, gather_nodes
 from flashckpt.distributed.group.priority import with_background_priority
 from flashckpt.distributed.group.shared import check_shared
@@ -148,29 +147,8 @@ class DistRuntime:
         check_shared(self.ctx, dirs, self.nodes if self.replication is not None else None)
 
     def agree_generation(self, take: Callable[[], int]) -> int:
-        """The run generation of this writer on every rank: rank 0 calls ``take()`` (it holds
-        its writer lock) and posts it; the others wait for it (bounded by ``dist_timeout_s``).
-        A failure of ``take()`` on rank 0 is raised on every rank as one DistributedError."""
-        barrier = self.ctx.barrier("generation")
-        try:
-            value: dict[str, Any] = {"ok": True}
-            if self.rank == 0:
-                try:
-                    value["generation"] = take()
-                except FlashCkptError as exc:
-                    value = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            values = barrier.exchange("generation", value)
-            raise_failed(values, phase="generation", hint=" (taking the root's run generation)")
-            gen = values[0].get("generation")
-            if type(gen) is not int or gen < 1:
-                raise DistributedError(
-                    f"rank 0 posted the run generation {gen!r}, not a positive integer",
-                    phase="generation",
-                    ranks=[0],
-                )
-            return gen
-        finally:
-            self.ctx.finished(barrier)
+        """The run generation of this writer, rank 0's ``take()`` on every rank."""
+        return agree_generation(self.ctx, take)
 
     # -- replication --------------------------------------------------------------------------
     @property

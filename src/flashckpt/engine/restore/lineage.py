@@ -18,12 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.store.format.lineage import Lineage
-from flashckpt.store.lineage import Judgement, judge_held
+from flashckpt.store.generation import take_generation
+from flashckpt.store.lineage import Judgement, judge_held, newest_recorded
+from flashckpt.store.store import CheckpointStore
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
@@ -64,6 +69,29 @@ class Branch:
                     generation=self.generation, parent_generation=pgen, parent_step=pstep
                 )
             return self._frozen
+
+
+class AgreesGeneration(Protocol):
+    """distributed/runtime.py's DistRuntime: rank 0 takes the generation for every rank."""
+
+    def agree_generation(self, take: Callable[[], int]) -> int: ...
+
+
+def open_branch(root: Path, store: CheckpointStore, dist: AgreesGeneration | None) -> Branch:
+    """The lineage of a writer opening ``root`` (its writer lock held): a new generation
+    (store/generation.py), the same on every rank under torch.distributed."""
+    take = partial(take_generation, root, floor=partial(newest_recorded, store))
+    return Branch(dist.agree_generation(take) if dist is not None else take())
+
+
+def owned_memory(tiers: TierSet, rank: int | None) -> Tier | None:
+    """The memory tier a writer may remove abandoned copies from: its own; under
+    torch.distributed (``rank`` not None) the one every rank shares, by rank 0 only; a node
+    tier under peer replication by nobody here."""
+    mem = tiers.by_name("memory")
+    if mem is None or mem.node_local or (rank is not None and rank != 0):
+        return None
+    return mem
 
 
 def judged_holders(

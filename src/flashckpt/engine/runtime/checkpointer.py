@@ -14,7 +14,7 @@ from typing import Any
 from flashckpt.distributed.runtime import DistRuntime
 from flashckpt.engine import device as devices
 from flashckpt.engine.options import Options, Replication, check_step
-from flashckpt.engine.restore.lineage import Branch
+from flashckpt.engine.restore.lineage import open_branch, owned_memory
 from flashckpt.engine.restore.load import Attempt, restore_from_tiers
 from flashckpt.engine.runtime import exit as exits
 from flashckpt.engine.runtime import takeover
@@ -37,8 +37,6 @@ from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.policy.retention import RetentionPolicy, as_retention
 from flashckpt.policy.save import SavePolicy, as_save_policy
 from flashckpt.store.files.backend import LocalBackend
-from flashckpt.store.generation import take_generation
-from flashckpt.store.lineage import newest_recorded
 from flashckpt.store.lock import WriterLock
 from flashckpt.store.store import CheckpointStore
 
@@ -154,6 +152,8 @@ class Checkpointer:
         with ExitStack() as undo:  # any failure below releases what was taken so far
             self._open_root(undo, fsync=fsync)
             self._open_tiers(undo, fsync=fsync, **tiers)
+            # the run generation, once every rank's tiers are known to be shared
+            self._branch = open_branch(self.root, self.store, self._dist)
             self._start_runtime()
             undo.callback(self._stop_threads)
             self._start_run(*run)
@@ -171,9 +171,6 @@ class Checkpointer:
         undo.callback(self._lock.release)
         self.journal = Journal(self.root / JOURNAL_NAME, rank=self.rank if self._dist else None)
         self._inflight = InFlight()
-        # this writer's run generation, the same on every rank (store/generation.py)
-        take = partial(take_generation, self.root, floor=partial(newest_recorded, self.store))
-        self._branch = Branch(self._dist.agree_generation(take) if self._dist else take())
 
     @property
     def _lock_name(self) -> str:
@@ -409,21 +406,13 @@ class Checkpointer:
                 readers=self.options.readers,
                 attempt=attempt,
                 branch=self._branch,
-                owned=self._owned_memory(),
+                owned=owned_memory(self._tiers, self.rank if self._dist else None),
             )
         finally:  # a step damaged in every tier may be saved again (engine/save/steps.py)
             self._saver.damaged |= attempt.damaged
         if got is not None:
             self._restored(got)
         return got
-
-    def _owned_memory(self) -> Any:
-        """The memory tier this writer may remove abandoned copies from: its own, or under
-        torch.distributed the one every rank shares, by rank 0 (node tiers: nobody here)."""
-        mem = self._tiers.by_name("memory")
-        if mem is None or mem.node_local or (self._dist is not None and self.rank != 0):
-            return None
-        return mem
 
     def _restored(self, step: int) -> None:
         self._saver.last_step = step

@@ -26,7 +26,6 @@ import flashckpt
 from flashckpt.cli import main as cli_main
 from flashckpt.journal import read_events
 from flashckpt.store.files.backend import LocalBackend
-from flashckpt.store.format.lineage import Lineage
 from flashckpt.store.store import CheckpointStore
 
 WORKER = Path(__file__).parent.parent / "scripts" / "requeue_worker.py"
@@ -142,6 +141,8 @@ def test_a_run_that_never_restored_abandons_nothing(tmp_path) -> None:
     root, node_a, node_b = tmp_path / "ckpt", tmp_path / "shm-a", tmp_path / "shm-b"
     attempt(root, node_a, every=3, base=0.0, steps=[1, 2, 3])
     attempt(root, node_b, every=1, base=100.0, steps=[7], restore=False)
+    from flashckpt.store.format.lineage import Lineage
+
     manifest = CheckpointStore(LocalBackend(root)).load_manifest(7)
     assert manifest.lineage == Lineage(generation=2, parent_generation=1, parent_step=None)
     step, state = restore_on(root, node_a)

@@ -41,6 +41,10 @@ running under torch.distributed. Event names and their fields:
 ``save_abandoned``   ``step``, ``reason`` (process exit while the save was in flight)
 ``damaged_step_replaced`` ``step``, ``tiers`` (a step restore found damaged, saved anew)
 ``preempted``        ``step`` and the signal's timing (SIGTERM handling)
+``abandoned_copy``   ``step``, ``tier``, ``generation``, ``newest_generation``, ``verdict``
+                     (``abandoned``/``superseded``), ``removed`` (a copy lineage says is not
+                     the checkpoint: skipped by restore; removed from the writer's own memory
+                     tier, see engine/restore/lineage.py)
 ==================  ===========================================================================
 """
 

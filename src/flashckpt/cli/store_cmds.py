@@ -69,15 +69,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     held = list_tiers(args.root, memory_tier=args.memory_tier, remote=args.remote)
     rows = [("step", "time", "tensors", "size", "new", "reused", "tiers")]
     replicated = _replicated(held)
+    dropped = _dropped(held)
     for step, holders in sorted(held.items()):
-        names = ",".join(name for name, _ in holders)
+        names = ",".join(name + dropped.get((step, name), "") for name, _ in holders)
         names += " (replicated)" if step in replicated else ""  # on a peer node's memory too
+        first = next((st for n, st in holders if (step, n) not in dropped), holders[0][1])
         try:
-            m = holders[0][1].load_manifest(step)
+            m = first.load_manifest(step)
         except NoCheckpointError:
             continue  # deleted by retention since it was listed: not damage
         except FlashCkptError as exc:
-            if not holders[0][1].has_step(step):
+            if not first.has_step(step):
                 continue
             rows.append((str(step), "DAMAGED", "-", "-", "-", str(exc)[:40], names))
             continue
@@ -98,6 +100,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     _table(rows)
     return 0
+
+
+def _dropped(held: dict[int, list[tuple[str, CheckpointStore]]]) -> dict[tuple[int, str], str]:
+    """``{(step, tier): " (abandoned)"}`` for the copies lineage says are not the checkpoint
+    (store/lineage.py: a crashed run's branch; restore skips them)."""
+    from flashckpt.store.lineage import judge_held
+
+    _, verdict = judge_held(held, lambda h: h[1])
+    return {
+        (c.step, held[c.step][c.where[1]][0]): f" ({verdict.verdicts[c]})" for c in verdict.dropped
+    }
 
 
 def _replicated(held: dict[int, list[tuple[str, CheckpointStore]]]) -> set[int]:

@@ -54,6 +54,7 @@ def merge_parts(parts: Sequence[Manifest], *, step: int) -> Manifest:
         stats=_sum_stats([p.stats for p in parts]),
         library=parts[0].library,
         meta=parts[0].meta,
+        lineage=parts[0].lineage,  # every rank's: one generation, agreed at open
     )
 
 

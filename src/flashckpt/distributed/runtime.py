@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from flashckpt.distributed.attempt import SaveAttempt
 from flashckpt.distributed.commit import DistSaveJob
-from flashckpt.distributed.group.context import DistContext
+from flashckpt.distributed.group.context import DistContext, agree_generation
 from flashckpt.distributed.group.nodes import NodeMap, gather_nodes
 from flashckpt.distributed.group.priority import with_background_priority
 from flashckpt.distributed.group.shared import check_shared
@@ -145,6 +145,10 @@ class DistRuntime:
         the memory tier under replication only within its node; see
         :func:`flashckpt.distributed.group.shared.check_shared`."""
         check_shared(self.ctx, dirs, self.nodes if self.replication is not None else None)
+
+    def agree_generation(self, take: Callable[[], int]) -> int:
+        """The run generation of this writer, rank 0's ``take()`` on every rank."""
+        return agree_generation(self.ctx, take)
 
     # -- replication --------------------------------------------------------------------------
     @property

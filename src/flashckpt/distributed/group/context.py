@@ -26,11 +26,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashckpt.distributed.group.barrier import StoreBarrier
-from flashckpt.errors import ConfigError
+from flashckpt.distributed.group.barrier import StoreBarrier, raise_failed
+from flashckpt.errors import ConfigError, DistributedError, FlashCkptError
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +140,29 @@ class DistContext:
         if self.rank == 0:
             with self._lock:
                 self._leftover.extend(barrier.leftover_keys() + barrier.cleanup)
+
+
+def agree_generation(ctx: DistContext, take: Callable[[], int]) -> int:
+    """The run generation of this writer on every rank: rank 0 calls ``take()`` (it holds its
+    writer lock) and posts it; the others wait for it (bounded by ``dist_timeout_s``). A failure
+    of ``take()`` on rank 0 is raised on every rank as one DistributedError."""
+    barrier = ctx.barrier("generation")
+    try:
+        value: dict[str, Any] = {"ok": True}
+        if ctx.rank == 0:
+            try:
+                value["generation"] = take()
+            except FlashCkptError as exc:
+                value = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        values = barrier.exchange("generation", value)
+        raise_failed(values, phase="generation", hint=" (taking the root's run generation)")
+        gen = values[0].get("generation")
+        if type(gen) is not int or gen < 1:
+            raise DistributedError(
+                f"rank 0 posted the run generation {gen!r}, not a positive integer",
+                phase="generation",
+                ranks=[0],
+            )
+        return gen
+    finally:
+        ctx.finished(barrier)

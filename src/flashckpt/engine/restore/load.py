@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from flashckpt.engine.restore.lineage import Branch, judged_holders
 from flashckpt.engine.restore.reader import read_plan
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.journal import Journal
@@ -186,11 +187,16 @@ def restore_from_tiers(
     rank: int,
     readers: int,
     attempt: Attempt,
+    branch: Branch | None = None,
+    owned: Tier | None = None,
 ) -> int | None:
     """The Checkpointer's restore: the newest valid step (or ``step``) of any tier, each step's
-    copies tried fastest tier first; under torch.distributed every rank loads the same step
-    (``store``: the root's own store, where the ranks agree)."""
-    holders = tiers.holders()  # every tier's copies, fastest first (engine/tiers/tierset.py)
+    copies chosen by lineage (engine/restore/lineage.py: a copy on an abandoned branch is
+    skipped, journaled and removed from ``owned``, the memory tier this writer owns), then
+    tried fastest tier first; under torch.distributed every rank loads the same step
+    (``store``: the root's own store, where the ranks agree). ``branch`` learns the step
+    restored (or that none was): this writer's branch point."""
+    holders, verdict = judged_holders(tiers, journal, owned=owned)
 
     def load(s: int, t: Tier) -> None:
         load_step(
@@ -206,7 +212,10 @@ def restore_from_tiers(
         )
 
     if dist is None:
-        return restore_newest(holders, step, load, tiers.restore, attempt)
+        got = restore_newest(holders, step, load, tiers.restore, attempt)
+        if branch is not None:
+            branch.restored(got, None if got is None else verdict.generation(got))
+        return got
     got = dist.restore(  # every rank loads the same step (distributed/restore.py)
         store,
         journal,
@@ -219,4 +228,6 @@ def restore_from_tiers(
     )
     if got is None and attempt.touched is not None:
         raise attempt.fail()
+    if branch is not None:
+        branch.restored(got, None if got is None else verdict.generation(got))
     return got

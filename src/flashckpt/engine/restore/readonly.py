@@ -4,7 +4,8 @@ For an evaluation process next to a trainer that is still writing the root, and 
 read-only copy of a root (a snapshot, a mounted bucket, ``chmod -w``). It takes no lock and
 writes nothing: no journal line, no run marker, no directory, no promotion. It reads the tiers
 recorded in ``root/tiers.json`` (memory, local, remote; override with ``memory_tier=`` /
-``remote=``), fastest copy first, and loads the newest valid step like
+``remote=``), takes the copy of each step lineage chooses (store/lineage.py; a crashed run's
+abandoned copy is skipped), fastest first, and loads the newest valid step like
 :meth:`Checkpointer.restore`, with the same all-or-nothing rule.
 
 A trainer's retention may delete a step while it is being read (its manifest first, then its
@@ -25,6 +26,7 @@ from typing import Any
 from flashckpt.engine.restore.load import Attempt, load_step, restore_newest
 from flashckpt.engine.tiers.config import CONFIG_NAME, list_tiers
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
+from flashckpt.store.lineage import judge_held
 from flashckpt.store.store import CheckpointStore, step_name
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,9 @@ def restore(
         )
 
     for _ in range(_ROUNDS):
-        holders = list_tiers(p, memory_tier=memory_tier, remote=remote)
+        # the copy of each step lineage says is the checkpoint (store/lineage.py), never a
+        # crashed run's abandoned copy that a faster tier still holds
+        holders, _ = judge_held(list_tiers(p, memory_tier=memory_tier, remote=remote), _store)
         try:
             return restore_newest(holders, step, load, _across_copies, attempt)
         except _Retired as gone:
@@ -85,6 +89,10 @@ def restore(
         f"every step of {p} was deleted while it was being read ({_ROUNDS} times); the writer "
         "retires checkpoints faster than they can be read: retry, or keep more steps"
     )
+
+
+def _store(copy: Copy) -> CheckpointStore:
+    return copy[1]
 
 
 def _across_copies(step: int, copies: list[Copy], load: Callable[[Copy], None]) -> Copy:

@@ -14,6 +14,7 @@ from typing import Any
 from flashckpt.distributed.runtime import DistRuntime
 from flashckpt.engine import device as devices
 from flashckpt.engine.options import Options, Replication, check_step
+from flashckpt.engine.restore.lineage import open_branch, owned_memory
 from flashckpt.engine.restore.load import Attempt, restore_from_tiers
 from flashckpt.engine.runtime import exit as exits
 from flashckpt.engine.runtime import takeover
@@ -151,6 +152,8 @@ class Checkpointer:
         with ExitStack() as undo:  # any failure below releases what was taken so far
             self._open_root(undo, fsync=fsync)
             self._open_tiers(undo, fsync=fsync, **tiers)
+            # the run generation, once every rank's tiers are known to be shared
+            self._branch = open_branch(self.root, self.store, self._dist)
             self._start_runtime()
             undo.callback(self._stop_threads)
             self._start_run(*run)
@@ -224,6 +227,7 @@ class Checkpointer:
             rank=self.rank,
             world_size=self.world_size,
             arena=arena_for(self._tiers.fastest, name=self._lock_name),  # engine/tiers/arena.py
+            lineage=self._branch.lineage,  # recorded in every manifest
         )
         sv = self._saver
         self._pool, self._workers, self._after = sv.pool, sv.workers, sv.after
@@ -401,6 +405,8 @@ class Checkpointer:
                 rank=self.rank,
                 readers=self.options.readers,
                 attempt=attempt,
+                branch=self._branch,
+                owned=owned_memory(self._tiers, self.rank if self._dist else None),
             )
         finally:  # a step damaged in every tier may be saved again (engine/save/steps.py)
             self._saver.damaged |= attempt.damaged

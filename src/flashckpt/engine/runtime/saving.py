@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ from flashckpt.engine.tiers.arena import ArenaFile
 from flashckpt.engine.tiers.tierset import TierSet
 from flashckpt.journal import Journal
 from flashckpt.state.capture import Captured, capture
+from flashckpt.store.format.lineage import Lineage
 
 if TYPE_CHECKING:
     from flashckpt.distributed.runtime import DistRuntime
@@ -66,8 +67,10 @@ class SavePath:
         rank: int,
         world_size: int,
         arena: ArenaFile | None = None,
+        lineage: Callable[[], Lineage] | None = None,
     ) -> None:
         self.options = options
+        self.lineage = lineage  # this writer's lineage, for its manifests
         self.tiers = tiers
         self.journal = journal
         self.inflight = inflight
@@ -190,6 +193,7 @@ class SavePath:
             direct=tier.name == "memory",  # the staged copy is the memory tier's copy
             hints=self.hints,
             streams=self.streams,
+            lineage=self.lineage() if self.lineage is not None else None,
         )
         common: dict[str, Any] = dict(
             ctx=ctx, handle=handle, captured=captured, chunks=chunks, tier=tier, guard=guard

@@ -24,6 +24,7 @@ from flashckpt.engine.save.staging import StagingPool
 from flashckpt.state.capture import Captured
 from flashckpt.store.files.directio import aligned
 from flashckpt.store.format.dtypes import itemsize
+from flashckpt.store.format.lineage import Lineage
 from flashckpt.store.store import CheckpointStore
 
 
@@ -50,6 +51,7 @@ class SaveContext:
     direct: bool = False
     # region of a chunk -> whether it changed at the last save (copy first when it did)
     hints: dict[tuple[Any, ...], bool] = field(default_factory=dict)
+    lineage: Lineage | None = None  # the writer's (store/format/lineage.py)
 
 
 class SideStreams:
@@ -101,6 +103,7 @@ def build_context(
     direct: bool = False,
     hints: dict[tuple[Any, ...], bool] | None = None,
     streams: SideStreams | None = None,
+    lineage: Lineage | None = None,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
@@ -144,5 +147,6 @@ def build_context(
         streams=streams if streams is not None else SideStreams(),
         direct=direct,
         hints=hints if hints is not None else {},
+        lineage=lineage,
     )
     return chunks, ctx

@@ -69,6 +69,7 @@ def job_manifest(
         stats=stats,
         library=ctx.library,
         meta=captured.meta,
+        lineage=ctx.lineage,
     )
     if drafted is not None:
         manifest.prerender_tensors(drafted.text)

@@ -216,6 +216,22 @@ class TierSet:
             res = collect_garbage(tier.store, pinned=self._extra_pins())
         self._journal_gc(tier, deleted, res)
 
+    def drop(self, tier: Tier, steps: list[int]) -> None:
+        """Delete ``steps`` from ``tier`` (copies lineage abandoned: engine/restore/lineage.py)
+        through the store, then collect what only they referenced (liveness decides)."""
+        deleted = []
+        with self._gc_lock:
+            for step in steps:
+                try:
+                    tier.store.delete_step(step)
+                except FileNotFoundError:
+                    continue
+                deleted.append(step)
+            if not tier.store.liveness.has_garbage():
+                return
+            res = collect_garbage(tier.store, pinned=self._extra_pins())
+        self._journal_gc(tier, tuple(deleted), res)
+
     def _journal_gc(self, tier: Tier, deleted: tuple[int, ...], res: GcResult) -> None:
         if res.skipped is not None:
             self.journal.append(

@@ -20,6 +20,7 @@ from flashckpt.errors import ManifestError
 from flashckpt.store.files.jsonfile import depth_of, load_json
 from flashckpt.store.files.limits import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
 from flashckpt.store.format.dtypes import itemsize
+from flashckpt.store.format.lineage import LEGACY, Lineage, parse_lineage
 from flashckpt.store.format.manifest_text import tensors_json
 from flashckpt.store.format.tiling import check_tiling
 
@@ -98,6 +99,9 @@ class Manifest:
     # JSON about a state entry that restore never loads: {entry: {"hf_config": {...}}} (the
     # config of a transformers model, so that export --format hf needs no flags)
     meta: dict[str, Any] = field(default_factory=dict)
+    # which run wrote it and where that run branched (store/format/lineage.py); None: a
+    # manifest written before lineage existed (generation 0, parent unknown)
+    lineage: Lineage | None = None
     # the JSON text of ``tensors``, rendered ahead (a save renders it while its chunks are
     # written); used only while ``tensors`` is that same dict with the same length
     _tensors_json: tuple[dict[str, TensorEntry], int, str] | None = field(
@@ -129,8 +133,15 @@ class Manifest:
         }
         if self.meta:
             doc["meta"] = self.meta
+        if self.lineage is not None:
+            doc["lineage"] = self.lineage.to_json()
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
         return (head[:-1] + ',"tensors":' + tensors + "}").encode()
+
+    @property
+    def run_lineage(self) -> Lineage:
+        """The lineage, generation 0 (parent unknown) for a manifest written before it."""
+        return self.lineage if self.lineage is not None else LEGACY
 
     def chunk_hashes(self) -> set[str]:
         return {c.hash for c in self.chunks}
@@ -229,6 +240,7 @@ def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
         stats=_stats(doc.get("stats")),
         library=str(doc.get("library", "")),
         meta=_meta(doc.get("meta"), where),
+        lineage=parse_lineage(doc["lineage"], where) if "lineage" in doc else None,
     )
 
 

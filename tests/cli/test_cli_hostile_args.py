@@ -51,6 +51,13 @@ def _options(sub: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
 
 
+@pytest.fixture(autouse=True)
+def _in_a_scratch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands run with their default outputs (``report`` writes ./report.html): in a
+    scratch directory, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("hostile-args")

@@ -205,11 +205,14 @@ class Liveness:
             stored = dataclasses.replace(ref, stored_size=key[1])
             self.index().setdefault(ref.hash, stored)
 
-    def verified_at(self, h: str) -> float | None:
-        """When ``h``'s bytes were last written or verified by this process (monotonic)."""
+    def quarantined_set(self) -> set[str]:
         with self.mutex:
-            stamp = self._stamps.get(h)
-            return None if stamp is None else stamp.at
+            return set(self.quarantined)
+
+    def verified_times(self) -> dict[str, float]:
+        """When each stamped chunk's bytes were last written or verified (time.monotonic())."""
+        with self.mutex:
+            return {h: st.at for h, st in self._stamps.items()}
 
     def added(self, ref: ChunkRef) -> None:
         """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it."""
@@ -267,6 +270,24 @@ class Liveness:
     def referenced(self) -> set[str]:
         with self.mutex:
             return set(self._refcount)
+
+    def referenced_refs(self) -> dict[str, ChunkRef]:
+        """Every chunk a committed manifest or rank part names (as of the last sync)."""
+        with self.mutex:
+            return {h: self._refs[h] for h in self._refcount if h in self._refs}
+
+    def steps_naming(self, h: str) -> list[int]:
+        """The steps whose manifest (or rank part) names chunk ``h`` (as of the last sync)."""
+        with self.mutex:
+            names = [n for n, (_, hashes) in self._manifests.items() if h in hashes]
+        steps: set[int] = set()
+        for n in names:
+            base = n.rpartition("/")[2]
+            part = parse_part_name(base)
+            step = part[0] if part is not None else parse_step_name(base)
+            if step is not None:
+                steps.add(step)
+        return sorted(steps)
 
     def still_listed(self, step: int) -> bool:
         """For lock-free readers: is ``step`` still committed? (False: retention deleted it

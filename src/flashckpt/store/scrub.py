@@ -11,7 +11,7 @@ A good chunk is stamped again (the store's verifying read does it); a damaged on
 quarantined by that same read (:meth:`Liveness.quarantine`: moved out of ``chunks/``), so
 the next save of a state holding those bytes writes them again, and the steps that named it
 fall back at restore instead of spreading it by promotion. A chunk missing because retention
-deleted its last step meanwhile is not damage. Each step returns what it found; the caller
+deleted its last step meanwhile is not damage, nor is an I/O error (tried again next pass). Each step returns what it found; the caller
 journals and logs it.
 
 Synchronous and stateful (the store never starts a thread): the engine calls :meth:`step`
@@ -39,7 +39,7 @@ class ScrubDamage:
     steps: tuple[int, ...]  # the committed steps (or parts) that name it
     error: str
     # no save reuses it, and it was moved to quarantine/ (unless a save of this process was
-    # writing a good copy over it); False: missing, not a regular file, or an I/O error
+    # writing a good copy over it); False: it is missing
     quarantined: bool
 
 
@@ -106,7 +106,10 @@ class Scrubber:
             else:
                 store.read_chunk(ref, step=step)
             return None
-        except (CorruptCheckpointError, StorageError) as exc:
+        except StorageError as exc:  # an I/O error is not known damage: tried again next pass
+            log.warning("scrub of %s could not read chunk %s: %s", store.url, ref.hash, exc)
+            return None
+        except CorruptCheckpointError as exc:
             error = str(exc)
         live = store.liveness
         try:

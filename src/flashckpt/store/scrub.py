@@ -11,8 +11,8 @@ A good chunk is stamped again (the store's verifying read does it); a damaged on
 quarantined by that same read (:meth:`Liveness.quarantine`: moved out of ``chunks/``), so
 the next save of a state holding those bytes writes them again, and the steps that named it
 fall back at restore instead of spreading it by promotion. A chunk missing because retention
-deleted its last step meanwhile is not damage, nor is an I/O error (tried again next pass). Each step returns what it found; the caller
-journals and logs it.
+deleted its last step meanwhile is not damage, nor is an I/O error (tried again next pass).
+Each step returns what it found; the caller journals and logs it.
 
 Synchronous and stateful (the store never starts a thread): the engine calls :meth:`step`
 from a thread it owns, in idle time, paced by ``scrub_bytes_per_s``

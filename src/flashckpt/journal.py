@@ -20,6 +20,8 @@ running under torch.distributed. Event names and their fields:
 ``promoted``         ``step``, ``src``, ``dst``, ``seconds``, ``bytes``
 ``restore``          ``step``, ``tier``, ``seconds``, ``bytes``
 ``corrupt``          ``step``, ``tier``, ``error``
+``scrub_damage``     ``tier``, ``chunk``, ``steps``, ``error``, ``quarantined`` (the idle scrub
+                     found a committed chunk damaged: engine/tiers/scrubbing.py)
 ``steps_lost``       ``from_step``, ``to_step``, ``steps``
 ``restart``          ``step`` (first resumed), ``restart_seconds`` (kill -> that step) = ``down_s``
                      + ``start_s`` + ``restore_s`` (null: nothing loaded) + ``first_step_s``;

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torture_faults import STATS, FaultPlan, flip_bit, install
+from torture_faults import STATS, FaultPlan, damage_in_place, flip_bit, install
 from torture_kill import KillSession
 from torture_known import HITS
 from torture_model import build, train_step
@@ -131,3 +131,64 @@ def test_faults_are_a_pure_function_of_the_seed(tmp_path: Path) -> None:
         plan.begin_op(4, {"eio_read": 0.3, "torn": 0.3})
         draws.append({c: plan.draw(*c) for c in order})
     assert draws[0] == draws[1] and any(draws[0].values()) and not all(draws[0].values())
+
+
+def _size_only_find(self: Any, h: str, size: int | None = None) -> Any:
+    """The reuse rule before issue 27: present and of the right size is enough."""
+    from flashckpt.store.format.manifest import ChunkRef
+    from flashckpt.store.format.names import chunk_path
+
+    with self.mutex:
+        ref = None if h in self.quarantined else self.index().get(h)
+        if ref is None or self.root is None:
+            return ref
+        try:
+            at_rest = self.backend.size(chunk_path(h, ref.codec))
+        except (OSError, flashckpt.FlashCkptError):
+            return None
+        if size is not None and ref.codec == "raw" and at_rest != size:
+            return None
+        raw = size if size is not None else ref.size
+        return ChunkRef(hash=h, size=raw, codec=ref.codec, stored_size=at_rest)
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_oracle_catches_a_step_reusing_a_chunk_damaged_in_place(
+    tmp_path: Path, monkeypatch, broken: bool
+) -> None:
+    """Issue 27: a chunk damaged in place (same size) before a save and reused by it makes
+    that step damaged; the ``inplace`` taint excuses only the steps committed before it, so
+    the oracle fails the size-only reuse rule and passes the library's (the control)."""
+    monkeypatch.setenv("FLASHCKPT_TORTURE_STRICT", "1")
+    if broken:
+        from flashckpt.store.liveness import Liveness
+
+        monkeypatch.setattr(Liveness, "find", _size_only_find)
+    with install(FaultPlan(seed=5, scope=tmp_path)) as plan:
+        sim = Sim(base=tmp_path, seed=5, plan=plan, ops=4, faults=False)
+        sim.cfg = dataclasses.replace(
+            sim.cfg, keep=3, memory=False, async_save=False, incremental=True
+        )
+        sim.mem = None
+        sim.mutate = lambda step: None  # type: ignore[method-assign]  # every chunk reusable
+        try:
+            sim.op_reopen(clean=True)
+            sim.op = 1
+            sim.op_save(clean=True)
+            sim.check()
+            sim.op = 2
+            victim = _newest_chunk(sim.root)
+            assert victim is not None
+            damage_in_place(victim, random.Random(0))
+            plan.taint("inplace", sim.root, str(victim.relative_to(sim.root)))
+            sim.op = 3
+            sim.op_save(clean=True)
+            if broken:
+                with pytest.raises(ViolationError) as err:
+                    sim.check()
+                assert err.value.violation.invariant == "retained_step_damaged", err
+            else:
+                sim.check()
+                assert len(sim.outcome) == 2 and all(v == "ok" for v in sim.outcome.values())
+        finally:
+            sim.shutdown()

@@ -19,8 +19,11 @@ Fault kinds (``FaultPlan.rates`` gives each a per-call probability while the pla
 ``bitflip``    put succeeds, then one bit of the stored chunk flips (silent rot)
 ``slow``       put / read sleep a few milliseconds first
 
-Damage the harness causes (torn, bitflip, and the ``vanish`` / ``rot`` operations of the
-simulation) is recorded as a *taint* so the oracle can tell it from damage the library caused.
+Damage the harness causes (torn, bitflip, and the ``vanish`` / ``rot`` / ``inplace`` operations
+of the simulation) is recorded as a *taint* so the oracle can tell it from damage the library
+caused. ``inplace`` (:func:`damage_in_place`) changes a stored chunk's bytes without changing its
+size (a byte written with ``pwrite``, or a hole punched with ``fallocate``): unlike ``rot`` it
+excuses only the steps committed before it (issue 27: no later save may reuse that chunk).
 
 A *generation* is one simulated process: every backend created while ``plan.generation == g``
 belongs to ``g``. ``plan.kill(g, after=n)`` makes generation ``g`` die after ``n`` more calls:
@@ -287,6 +290,37 @@ def flip_bit(p: Path, rng: random.Random) -> None:
     data[i] ^= 1 << rng.randrange(8)
     with open(p, "r+b") as f:
         f.write(data)
+
+
+def damage_in_place(p: Path, rng: random.Random) -> str:
+    """Change ``p``'s bytes in place, its size kept: one byte rewritten with ``pwrite``, or
+    (when the file spans one and the filesystem can) a 4 KiB hole punched with
+    ``fallocate(PUNCH_HOLE | KEEP_SIZE)``. Returns what was done."""
+    size = p.stat().st_size
+    if size == 0:
+        return "empty: nothing done"
+    fd = os.open(p, os.O_RDWR)
+    try:
+        if (
+            size >= 8192
+            and rng.random() < 0.4
+            and _punch(fd, 4096 * rng.randrange(size // 4096 - 1))
+        ):
+            return "punched a 4 KiB hole"
+        off = rng.randrange(size)
+        (b,) = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b ^ (1 << rng.randrange(8))]), off)
+        return f"flipped a bit of byte {off} with pwrite"
+    finally:
+        os.close(fd)
+
+
+def _punch(fd: int, offset: int) -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    punch_keep_size = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    return libc.fallocate(fd, punch_keep_size, ctypes.c_long(offset), ctypes.c_long(4096)) == 0
 
 
 def _reader(name: str) -> Any:

@@ -130,8 +130,10 @@ def temp_files(*dirs: Path) -> list[str]:
 
 def excused(truth: StepTruth, tier: Path, committed_op: int, taints: list[Taint]) -> bool:
     """Damage the harness caused explains every bad chunk (or the bad manifest) of ``truth``:
-    a rotted chunk (any time), or a chunk torn / removed at or after the step's commit (a
-    chunk torn *before* the commit must not have been reused by it)."""
+    a rotted chunk (any time), or a chunk torn / removed / damaged in place at its size
+    (``inplace``) at or after the step's commit (a chunk damaged *before* the commit must not
+    have been reused by it: issue 27). A step excused this way may be reported damaged by a
+    restore or ``verify``, never restored with other bytes (the restore checks)."""
     mine = [t for t in taints if t.tier == str(tier)]
     if any(t.kind == "vanish" and t.path == "" and t.op >= committed_op for t in mine):
         return True  # the whole tier directory was removed

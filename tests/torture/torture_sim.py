@@ -4,7 +4,8 @@ One trial = one seed: a configuration (sync/async, memory tier or not, retention
 incremental on/off) and a sequence of operations — save, restore, restore(step=), close,
 re-open, simulated crash (the process's I/O stops at a random call, then it is abandoned),
 ``flashckpt gc`` / ``verify`` / ``ls`` (the CLI, in process), a vanishing directory, a rotted
-chunk — each run with a seeded fault mix (or none) and followed by the oracle's checks.
+chunk, a chunk damaged in place at its size (``inplace``: later steps must not reuse it) —
+each run with a seeded fault mix (or none) and followed by the oracle's checks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from torture_checks import N_FROZEN, N_W, Checks
-from torture_faults import KINDS, FaultPlan, count, flip_bit
+from torture_faults import KINDS, FaultPlan, count, damage_in_place, flip_bit
 from torture_known import record_hit, tolerated
 from torture_oracle import (
     Violation,
@@ -176,7 +177,7 @@ class Sim(Checks):
 
     def step_once(self) -> None:
         name, fn = self.choose()
-        rates = self.fault_mix() if name not in ("vanish", "rot") else {}
+        rates = self.fault_mix() if name not in ("vanish", "rot", "inplace") else {}
         self.log.append(f"op {self.op}: {name} faults={rates or 'none'}")
         self.plan.begin_op(self.op, rates)
         count("ops")
@@ -197,6 +198,7 @@ class Sim(Checks):
                 ("ls", 0.5, self.op_ls),
                 ("vanish", 0.3, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
+                ("inplace", 0.4, self.op_inplace),
             ]
         else:
             table = [
@@ -210,9 +212,10 @@ class Sim(Checks):
                 ("ls", 0.4, self.op_ls),
                 ("vanish", 0.25, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
+                ("inplace", 0.5, self.op_inplace),
             ]
         if not self.faults:  # no harness-made damage either
-            table = [t for t in table if t[0] not in ("vanish", "rot")]
+            table = [t for t in table if t[0] not in ("vanish", "rot", "inplace")]
         pick = self.rng.choices(table, weights=[w for _, w, _ in table])[0]
         return pick[0], pick[2]
 
@@ -420,6 +423,23 @@ class Sim(Checks):
         flip_bit(f, self.rng)
         self.plan.taint("rot", d, str(f.relative_to(d)))
         self.log.append(f"  rotted {f.relative_to(d)}")
+
+    def op_inplace(self, clean: bool) -> None:
+        """Damage a random stored chunk in place, its size kept (issue 27). The oracle excuses
+        the steps committed before this op only: a step committed later must not name the
+        damaged bytes (the library rewrites the chunk instead of reusing it)."""
+        self.quiesce()
+        _, d, _ = self.rng.choice(self.tiers)
+        files = sorted(
+            p for p in (d / "chunks").glob("*/*") if p.is_file() and ".tmp-" not in p.name
+        )
+        if not files:
+            return
+        f = self.rng.choice(files)
+        what = damage_in_place(f, self.rng)
+        self.plan.taint("inplace", d, str(f.relative_to(d)))
+        self.log.append(f"  {what} in {f.relative_to(d)}")
+        count("sim.inplace")
 
     def shutdown(self) -> None:
         ckpt, self.ckpt = self.ckpt, None

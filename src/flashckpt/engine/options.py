@@ -30,6 +30,8 @@ class Options:
     direct_io: bool = True
     governor: bool = True  # engine/runtime/governor.py: background or foreground, measured
     save_budget_s: float | None = None  # what a save may cost the loop (None: a sync save's)
+    # idle re-hashing of the local tiers' committed chunks (engine/tiers/scrubbing.py); 0: off
+    scrub_bytes_per_s: int = 64 << 20
 
     def __post_init__(self) -> None:
         b = self.save_budget_s
@@ -51,6 +53,12 @@ class Options:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes} is too small; use at least 4KiB")
         if self.host_memory_budget_bytes < 1 << 20:
             raise ConfigError("host_memory_budget must be at least 1MiB")
+        r = self.scrub_bytes_per_s
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(
+                f"scrub_bytes_per_s must be a byte rate >= 0 such as '64MiB' (0 turns the idle "
+                f"scrub off), got {r!r}"
+            )
         for name in ("persist_workers", "read_workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -62,12 +70,15 @@ class Options:
         *,
         host_memory_budget: int | str,
         chunk_size: int | str,
+        scrub_bytes_per_s: int | str = 64 << 20,
         **kw: object,
     ) -> Options:
         budget = parse_bytes(host_memory_budget, name="host_memory_budget")
         chunk = parse_bytes(chunk_size, name="chunk_size")
         chunk = min(chunk, max(budget, 1))  # a staging slot must fit the budget
-        return cls(host_memory_budget_bytes=budget, chunk_bytes=chunk, **kw)  # type: ignore[arg-type]
+        scrub = parse_bytes(scrub_bytes_per_s, name="scrub_bytes_per_s")
+        sizes = dict(host_memory_budget_bytes=budget, chunk_bytes=chunk, scrub_bytes_per_s=scrub)
+        return cls(**sizes, **kw)  # type: ignore[arg-type]
 
     @property
     def workers(self) -> int:

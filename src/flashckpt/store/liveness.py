@@ -10,7 +10,13 @@ same root shares it: ``store.liveness``). It knows
 * the pins of saves and promotions in flight: in memory for this process, and on disk under
   ``pins/`` (:mod:`flashckpt.store.pins`) for every other process, rank and ``flashckpt gc``;
 * quarantine: a chunk found damaged is moved out of ``chunks/`` and forgotten, so the next
-  save writes it again.
+  save writes it again;
+* stamps (local tiers): which chunks' bytes this process wrote or verified by hashing, and
+  the file's ``(st_ino, st_size, st_mtime_ns, st_ctime_ns)`` then. A chunk is reused only while
+  its file still shows that stamp: bytes changed in place (a flipped byte, a punched hole, a
+  damaged zstd frame: the size stays) change its mtime and ctime, and the next save writes it
+  again instead of naming bytes that no longer restore. Bit rot that leaves the metadata alone
+  is what the scrub finds (:mod:`flashckpt.store.scrub`).
 
 Garbage collection (:mod:`flashckpt.store.gc`) asks it what is live; nobody else deletes
 chunks. The store never starts a thread; every method here is synchronous and thread-safe.
@@ -22,7 +28,8 @@ The contract, in the order a writer uses it (a save; a promotion copying into th
         #    writes pins/<host>-<pid>-<n>.json naming the owner
     ref = win.claim(h, size)
         # 2. for every chunk the save will name, BEFORE deciding: pins h, then returns the
-        #    stored ChunkRef to reuse (present, right size, not quarantined) or None:
+        #    stored ChunkRef to reuse (present, not quarantined, its bytes written or
+        #    verified by this process since they last changed: see find) or None:
         #    the caller must write h (store.put_chunk) before committing
     store.commit(manifest, ...)           # 3. the manifest (or rank part) names the chunks
     win.committed()                       # 4. drop the pins, release the lock, remove the pin
@@ -40,14 +47,17 @@ a chunk's bytes wrong calls :meth:`Liveness.quarantine` (the store's read method
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 from flashckpt.errors import CorruptCheckpointError, FlashCkptError
@@ -70,6 +80,25 @@ log = logging.getLogger(__name__)
 QUARANTINE_DIR = "quarantine"
 _registry: weakref.WeakValueDictionary[str, Liveness] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
+
+FileKey = tuple[int, int, int, int]
+"""What a chunk file's lstat says of its bytes: (st_ino, st_size, st_mtime_ns, st_ctime_ns).
+A write, a punched hole or a replacement changes it (mtime/ctime; on kernels before 6.13 only
+to a clock tick's resolution: damage within the tick of the last write is left to the scrub)."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """A chunk's bytes were written or verified by this process when its file showed ``key``."""
+
+    key: FileKey
+    size: int  # raw bytes
+    codec: str
+    at: float  # time.monotonic() of the write or verification (the scrub's order)
+
+
+def file_key(st: os.stat_result) -> FileKey:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def liveness_for(backend: Backend) -> Liveness:
@@ -97,6 +126,7 @@ class Liveness:
         self._writing: Counter[str] = Counter()  # claimed by an open window for writing
         self.candidates: set[str] = set()  # may have become garbage since the last collection
         self.quarantined: set[str] = set()
+        self._stamps: dict[str, Stamp] = {}  # local tiers only: see find()
         self.synced = False  # every listed manifest parsed at least once
         # local tiers: pins on disk, and the first collection sweeps every chunk file (orphans
         # of processes that died). A remote tier has one writer, the promoter of the job that
@@ -119,43 +149,85 @@ class Liveness:
             return self._index
 
     def find(self, h: str, size: int | None = None) -> ChunkRef | None:
-        """The stored chunk ``h`` if it may be reused: present, not quarantined, and (on local
-        tiers) of the size at rest its ChunkRef says. None means: write it."""
+        """The stored chunk ``h`` if it may be reused, else None: write it.
+
+        Local tiers: present, not quarantined, and its file (lstat through the gateway) shows
+        the stamp this process recorded when it wrote the chunk or last verified its bytes by
+        hashing (:meth:`added`, :meth:`verified`). A chunk without a stamp, or whose file
+        changed since, is not verified here but written again by the caller: the save holds
+        its bytes already (hashed), so writing them costs about what reading and hashing the
+        stored copy would, never reads under this mutex (every other decision of every save
+        waits on it), and replaces a damaged copy without deciding whether it is damaged.
+
+        Remote tiers (fsspec, no root): present is enough. An object is replaced whole or not
+        at all (no in-place writes through the client), it has no inode or ctime to stamp,
+        and a stat per chunk would cost a request each; their reads verify every chunk."""
         with self.mutex:
             ref = None if h in self.quarantined else self.index().get(h)
             if ref is None or self.root is None:
                 return ref
-            expected = self._stored_size(h, ref, size)
-            try:
-                at_rest = self.backend.size(chunk_path(h, ref.codec))
-            except OSError:
-                at_rest = -1
-            if at_rest < 0 or expected is None or at_rest != expected:
-                self.index().pop(h, None)  # missing, truncated or unknown: the caller rewrites it
+            stamp = self._stamps.get(h)
+            if stamp is None or (size is not None and size != stamp.size):
                 return None
-            raw_size = size if size is not None else self._refs.get(h, ref).size
-            return ChunkRef(hash=h, size=raw_size, codec=ref.codec, stored_size=at_rest)
+            try:
+                st: os.stat_result | None = safeopen.lstat_in(self.root, chunk_path(h, stamp.codec))
+            except (OSError, FlashCkptError):
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode) or file_key(st) != stamp.key:
+                del self._stamps[h]  # changed (or gone) since verified: the caller rewrites it
+                if st is None:
+                    self.index().pop(h, None)
+                return None
+            return ChunkRef(hash=h, size=stamp.size, codec=stamp.codec, stored_size=st.st_size)
 
-    def _stored_size(self, h: str, ref: ChunkRef, size: int | None) -> int | None:
-        if ref.codec == "raw":
-            return size if size is not None else (ref.size if ref.size >= 0 else None)
-        if ref.stored_size > 0:
-            return ref.stored_size
-        if not self.synced:
-            try:
-                self.sync()
-            except FlashCkptError:
-                return None
-        known = self._refs.get(h)
-        return known.stored_size if known is not None and known.stored_size > 0 else None
+    # -- stamps (local tiers) -----------------------------------------------------------------
+    def before_read(self, ref: ChunkRef) -> FileKey | None:
+        """The key of ``ref``'s file before a verifying read (taken first: a change during or
+        after the read then shows as a different key); None on remote tiers or when the file
+        cannot be stat'ed (the read reports it)."""
+        if self.root is None:
+            return None
+        try:
+            return file_key(safeopen.lstat_in(self.root, chunk_path(ref.hash, ref.codec)))
+        except (OSError, FlashCkptError):
+            return None
+
+    def verified(self, ref: ChunkRef, key: FileKey | None) -> None:
+        """``ref``'s bytes were read and matched its hash; ``key`` is :meth:`before_read`'s."""
+        if key is None:
+            return
+        with self.mutex:
+            if ref.hash in self.quarantined:
+                return
+            self._stamps[ref.hash] = Stamp(
+                key=key, size=ref.size, codec=ref.codec, at=time.monotonic()
+            )
+            stored = dataclasses.replace(ref, stored_size=key[1])
+            self.index().setdefault(ref.hash, stored)
+
+    def quarantined_set(self) -> set[str]:
+        with self.mutex:
+            return set(self.quarantined)
+
+    def verified_times(self) -> dict[str, float]:
+        """When each stamped chunk's bytes were last written or verified (time.monotonic())."""
+        with self.mutex:
+            return {h: st.at for h, st in self._stamps.items()}
 
     def added(self, ref: ChunkRef) -> None:
+        """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it."""
+        key = self.before_read(ref)
         with self.mutex:
             self.index()[ref.hash] = ref
             self.quarantined.discard(ref.hash)
+            if key is not None:
+                self._stamps[ref.hash] = Stamp(
+                    key=key, size=ref.size, codec=ref.codec, at=time.monotonic()
+                )
 
     def forget(self, h: str) -> None:
         with self.mutex:
+            self._stamps.pop(h, None)
             if self._index is not None:
                 self._index.pop(h, None)
 
@@ -198,6 +270,24 @@ class Liveness:
     def referenced(self) -> set[str]:
         with self.mutex:
             return set(self._refcount)
+
+    def referenced_refs(self) -> dict[str, ChunkRef]:
+        """Every chunk a committed manifest or rank part names (as of the last sync)."""
+        with self.mutex:
+            return {h: self._refs[h] for h in self._refcount if h in self._refs}
+
+    def steps_naming(self, h: str) -> list[int]:
+        """The steps whose manifest (or rank part) names chunk ``h`` (as of the last sync)."""
+        with self.mutex:
+            names = [n for n, (_, hashes) in self._manifests.items() if h in hashes]
+        steps: set[int] = set()
+        for n in names:
+            base = n.rpartition("/")[2]
+            part = parse_part_name(base)
+            step = part[0] if part is not None else parse_step_name(base)
+            if step is not None:
+                steps.add(step)
+        return sorted(steps)
 
     def still_listed(self, step: int) -> bool:
         """For lock-free readers: is ``step`` still committed? (False: retention deleted it

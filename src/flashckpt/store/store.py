@@ -66,9 +66,10 @@ class CheckpointStore:
 
     # -- chunks ---------------------------------------------------------------------------
     def find_chunk(self, h: str, *, size: int | None = None) -> ChunkRef | None:
-        """The stored chunk with raw hash ``h`` if it may be reused (present, of the right size
-        at rest, not quarantined), else None. A save in flight must pin it first:
-        ``Window.claim`` (:mod:`flashckpt.store.liveness`) does both."""
+        """The stored chunk with raw hash ``h`` if it may be reused (present, not quarantined,
+        its bytes written or verified since they last changed: Liveness.find), else None.
+        A save in flight must pin it first: ``Window.claim`` (:mod:`flashckpt.store.liveness`)
+        does both."""
         return self.liveness.find(h, size)
 
     def put_chunk(self, h: str, size: int, parts: Sequence[Buffer], codec: str) -> ChunkRef:
@@ -112,7 +113,8 @@ class CheckpointStore:
     def read_chunk(
         self, ref: ChunkRef, *, step: int | None = None, key: str | None = None
     ) -> bytes:
-        """Raw bytes of a chunk, verified against its hash."""
+        """Raw bytes of a chunk, verified against its hash (then stamped for reuse)."""
+        seen = self.liveness.before_read(ref)
         try:
             stored = self.backend.read(chunk_path(ref.hash, ref.codec))
         except FileNotFoundError:
@@ -122,12 +124,14 @@ class CheckpointStore:
             self._check(ref, raw, step=step, key=key)
         except CorruptCheckpointError as exc:
             raise self._damaged(ref, exc) from None
+        self.liveness.verified(ref, seen)
         return raw
 
     def read_chunk_into(
         self, ref: ChunkRef, out: memoryview, *, step: int | None = None, key: str | None = None
     ) -> None:
         """Read a raw chunk straight into ``out`` (exactly ``ref.size`` bytes) and verify it."""
+        seen = self.liveness.before_read(ref)
         try:
             n = self.backend.read_into(chunk_path(ref.hash, "raw"), out)
         except FileNotFoundError:
@@ -144,6 +148,7 @@ class CheckpointStore:
             self._check(ref, out, step=step, key=key)
         except CorruptCheckpointError as exc:
             raise self._damaged(ref, exc) from None
+        self.liveness.verified(ref, seen)
 
     def map_chunk(
         self, ref: ChunkRef, *, step: int | None = None, key: str | None = None
@@ -152,6 +157,7 @@ class CheckpointStore:
         verified against its hash before this returns; nothing is copied. Damage (missing,
         truncated, wrong bytes, not a regular file) raises CorruptCheckpointError like
         :meth:`read_chunk`, with the chunk quarantined."""
+        seen = self.liveness.before_read(ref)
         try:
             mapped = self.backend.map(chunk_path(ref.hash, "raw"))  # type: ignore[attr-defined]
         except FileNotFoundError:
@@ -161,6 +167,7 @@ class CheckpointStore:
             self._check(ref, raw, step=step, key=key)  # a wrong length fails here too
         except CorruptCheckpointError as exc:
             raise self._damaged(ref, exc) from None
+        self.liveness.verified(ref, seen)
         return raw
 
     @staticmethod

@@ -31,6 +31,7 @@ from flashckpt.engine.tiers.arena import arena_for
 from flashckpt.engine.tiers.build import build_tiers, release_locks
 from flashckpt.engine.tiers.closing import empty_memory_tier
 from flashckpt.engine.tiers.promote import Promotion
+from flashckpt.engine.tiers.scrubbing import start_idle_scrub
 from flashckpt.engine.tiers.tierset import TierSet
 from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.journal import JOURNAL_NAME, Journal
@@ -80,6 +81,7 @@ class Checkpointer:
         direct_io: bool = True,
         governor: bool = True,
         save_budget_s: float | None = None,
+        scrub_bytes_per_s: int | str = "64MiB",
         save_policy: SavePolicy | int | None = None,
         memory_tier: str | os.PathLike[str] | None = None,
         keep_memory: RetentionPolicy | int | None = None,
@@ -110,6 +112,7 @@ class Checkpointer:
             direct_io=direct_io,
             governor=governor,
             save_budget_s=save_budget_s,
+            scrub_bytes_per_s=scrub_bytes_per_s,
         )
         self.keep = as_retention(keep)
         self.save_policy = as_save_policy(save_policy)
@@ -241,6 +244,14 @@ class Checkpointer:
             direct=self.options.compression is None and self._tiers.fastest.name == "memory",
         )
         self._warmup.start()
+        if self.rank == 0:  # one scrub per root (engine/tiers/scrubbing.py)
+            gov = sv.governor
+            start_idle_scrub(
+                self._tiers,
+                bytes_per_s=self.options.scrub_bytes_per_s,
+                busy=self._inflight.busy,
+                saturated=lambda: gov.enabled and gov.saturated,
+            )
 
     def _stop_threads(self) -> None:
         self._warmup.stop()

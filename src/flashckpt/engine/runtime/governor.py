@@ -63,6 +63,7 @@ class Governor:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     last: dict[str, object] = field(default_factory=dict)  # the latest decision (status)
     priority: str = "unmanaged"  # the background threads' CPU level (engine/runtime/priority.py)
+    saturated: bool = False  # background work measured costlier than its budget: idle work waits
 
     def __post_init__(self) -> None:
         self.meter.on_cost = self._settled
@@ -126,7 +127,8 @@ class Governor:
             other = FOREGROUND if ran == BACKGROUND else BACKGROUND
             if other == BACKGROUND or self.budget_s is None:
                 return other, f"probe: {other} measured again every {self.probe_every} saves"
-        if budget is not None and bg > budget:
+        self.saturated = budget is not None and bg > budget
+        if self.saturated:
             return FOREGROUND, f"background cost {bg:.3f}s > budget {budget:.3f}s"
         return BACKGROUND, f"background cost {bg:.3f}s <= budget " + (
             "(none measured yet)" if budget is None else f"{budget:.3f}s"

@@ -20,6 +20,9 @@ replaced it; the skipped step stays in the faster tier until its retention drops
 Failures never reach training: they are logged, journaled as ``promote_failed`` and retried
 with exponential backoff; after ``Promotion.retries`` attempts the tier is skipped for that step
 (``promote_abandoned``). A damaged source chunk is journaled as ``corrupt`` and not retried.
+
+While nothing is queued the thread does the idle work it was given (:meth:`Promoter.idle_work`:
+the scrub of engine/tiers/scrubbing.py), one bounded step at a time, at the pace it asks for.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from flashckpt.engine.tiers.tiercopy import ChunkCopier, PromotionStopped, copy_step
 from flashckpt.errors import ConfigError, CorruptCheckpointError
@@ -42,6 +45,18 @@ if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
 
 log = logging.getLogger(__name__)
+
+
+class IdleWork(Protocol):
+    """Work for the promotion thread's idle time (engine/tiers/scrubbing.py IdleScrub)."""
+
+    def __call__(self) -> float:
+        """One bounded step; returns the seconds until the next."""
+        ...
+
+    def activity(self) -> None:
+        """A promotion just ran."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +144,22 @@ class Promoter:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._copier = ChunkCopier(options.workers)
+        self._idle: IdleWork | None = None
+        self._idle_at = 0.0  # time.monotonic() of the next idle step
+
+    def idle_work(self, work: IdleWork) -> None:
+        """Run ``work`` whenever no promotion is queued (starts the thread)."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._idle, self._idle_at = work, time.monotonic()
+            self._start()
+            self._cv.notify_all()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="flashckpt-promote", daemon=True)
+            self._thread.start()
 
     def submit(self, task: PromoteTask) -> None:
         """Queue ``task`` (its chunks are pinned already); see the module docstring for what
@@ -143,11 +174,7 @@ class Promoter:
             closed = self._stopping
             if not closed:
                 self._queue.append(task)
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="flashckpt-promote", daemon=True
-                    )
-                    self._thread.start()
+                self._start()
                 self._cv.notify_all()
         for old in dropped:
             self._skipped(old, newer=task.step)
@@ -225,14 +252,23 @@ class Promoter:
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            idle = None
             with self._cv:
                 while not self._queue and not self._stopping:
-                    self._cv.wait()
+                    left = None if self._idle is None else self._idle_at - time.monotonic()
+                    if left is not None and left <= 0:
+                        idle = self._idle
+                        break
+                    self._cv.wait(left)
                 if self._stopping:
                     return
-                task = self._queue.popleft()
-                self._busy = True
-                self._cv.notify_all()  # a submit waiting for room (on_full="wait")
+                if idle is None:
+                    task = self._queue.popleft()
+                    self._busy = True
+                    self._cv.notify_all()  # a submit waiting for room (on_full="wait")
+            if idle is not None:
+                self._run_idle(idle)
+                continue
             try:
                 for dst in task.dsts:
                     self._promote_to(task, dst)
@@ -242,7 +278,18 @@ class Promoter:
                 self._release(task)
                 with self._cv:
                     self._busy = False
+                    if self._idle is not None:
+                        self._idle.activity()
                     self._cv.notify_all()
+
+    def _run_idle(self, idle: IdleWork) -> None:
+        try:
+            delay = idle()
+        except Exception as exc:  # never let the thread die on it; try again much later
+            log.exception("idle work of the promotion thread failed: %s", exc)
+            delay = 60.0
+        with self._cv:
+            self._idle_at = time.monotonic() + max(0.0, delay)
 
     def _promote_to(self, task: PromoteTask, dst: Tier) -> None:
         for attempt in range(self.options.retries):

@@ -185,7 +185,7 @@ def test_the_fold_in_pieces_is_the_summary_of_the_whole(tmp_path):
     for seed in range(40):
         rng = random.Random(seed)
         t, events = 1.7e9, []
-        for i in range(rng.randrange(1, 300)):
+        for _ in range(rng.randrange(1, 300)):
             t += rng.uniform(-0.5, 3.0)  # now and then a line older than the one before
             e = {
                 "event": rng.choice(names),

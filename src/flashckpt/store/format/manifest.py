@@ -119,9 +119,10 @@ class Manifest:
             tensors = pre[2]
         else:
             tensors = tensors_json(self.tensors)
-        doc = {
-            "format": FORMAT,
-            "version": VERSION,
+        doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+        if self.lineage is not None:  # right after these two: read from the file's head
+            doc["lineage"] = self.lineage.to_json()  # (store/lineage.py copy_lineage)
+        doc |= {
             "step": self.step,
             "time": self.time_s,
             "world_size": self.world_size,
@@ -133,8 +134,6 @@ class Manifest:
         }
         if self.meta:
             doc["meta"] = self.meta
-        if self.lineage is not None:
-            doc["lineage"] = self.lineage.to_json()
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
         return (head[:-1] + ',"tensors":' + tensors + "}").encode()
 

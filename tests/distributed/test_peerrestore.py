@@ -243,3 +243,30 @@ def test_a_stall_while_sharing_the_manifest_or_planning_falls_back_to_the_disk_t
         assert failed["step"] == 5 and failed["phase"] == "planning", failed
         assert r["loads"] == ["local"], "nothing was loaded from the node tiers"
         assert r["broken"], "the side group is given up (gloo groups do not recover)"
+
+
+def test_a_node_tier_copy_of_an_abandoned_branch_is_never_a_peer_candidate() -> None:
+    """Issue 27 (requeue onto the old node, replicas=1 path): run 1 saved 5 and 6 in the node
+    tiers and died; run 2 restored 4 from disk and saved 5 there. Run 3 must not take run 1's
+    6 (or 5) from the node tiers: the judge sees every node tier's copies and the disk's."""
+    run1 = {"generation": 1, "parent_generation": None, "parent_step": None}
+    run2 = {"generation": 2, "parent_generation": 1, "parent_step": 4}
+    ready = [
+        {
+            "mem": [5, 6],
+            "slow": [4, 5],
+            "lin": [(5, run1), (6, run1)],
+            "slow_lin": [(4, run1), (5, run2)],
+        },
+        {"mem": [6], "slow": None, "lin": [(6, run1)], "slow_lin": None},
+    ]
+    values = [{"steps": [4, 5, 6]}, {"steps": [6]}]
+    assert peer_candidates(None, ready, values) == []
+    assert peer_candidates(6, ready, values) == []
+    ready[0]["slow_lin"] = [(4, run1), (5, run1)]  # no later run: run 1's copies are live
+    assert peer_candidates(None, ready, values) == [6, 5]
+    ready[0]["lin"] = [(5, "legacy"), (6, None)]  # older manifests, an unreadable one
+    ready[1]["lin"] = [(6, None)]
+    assert peer_candidates(None, ready, values) == [6], "5 on disk is a later run's"
+    ready[0]["slow_lin"] = [(4, "legacy"), (5, "legacy")]
+    assert peer_candidates(None, ready, values) == [6, 5]

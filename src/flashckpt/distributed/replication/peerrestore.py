@@ -51,7 +51,9 @@ from flashckpt.distributed.replication.peerfetch import (
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import plan_restore
+from flashckpt.store.format.lineage import LEGACY, parse_lineage
 from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.lineage import LIVE, Copy, copy_lineage, judge
 from flashckpt.store.store import CheckpointStore, step_name
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,10 @@ class PeerSource:
     # the steps the slower tiers hold (asked on rank 0 only: they are shared); None: unknown,
     # the candidates are then bounded by the steps some rank sees only outside the memory tier
     slower_steps: Callable[[], list[int]] | None = None
+    # the lineage of each copy the slower tiers hold (rank 0 only), for the judge: a node
+    # tier's copy of an abandoned branch (a requeued job back on the node where an earlier
+    # attempt died) is never a candidate (store/lineage.py)
+    slower_lineage: Callable[[], list[tuple[int, Any]]] | None = None
     # steps published in the node tiers that no node can assemble any more (a chunk is on no
     # node's tier: its node was lost before the step was replicated): handled like damaged
     # ones, so a later save of that step number replaces them (engine/save/steps.py)
@@ -112,6 +118,9 @@ def peer_source(
     )
     slower = [t for t in tiers.tiers if t is not mem]
     source.slower_steps = lambda: sorted({s for t in slower for s in _steps(t)})
+    source.slower_lineage = lambda: _lineages(
+        [(t.store, s) for t in slower for s in _steps(t)], name="slower tiers"
+    )
 
     def fallback(s: int) -> Any:
         return tiers.restore(s, [t for t in slower if _holds(t, s)], partial(load_tier, s))
@@ -146,7 +155,9 @@ def restore_from_peers(
     with peer.channel() as group:
         mem = _memory_steps(peer.store)
         slow = peer.slower_steps() if rank == 0 and peer.slower_steps is not None else None
-        post = {"ok": group is not None, "mem": mem, "slow": slow}
+        slow_lin = peer.slower_lineage() if rank == 0 and peer.slower_lineage else None
+        lin = _lineages([(peer.store, s) for s in mem], name="memory tier")
+        post = {"ok": group is not None, "mem": mem, "slow": slow, "lin": lin, "slow_lin": slow_lin}
         ready = barrier.exchange("peer-ready", post)
         if not all(v.get("ok") for v in ready):
             down = [r for r, v in enumerate(ready) if not v.get("ok")]
@@ -162,8 +173,9 @@ def restore_from_peers(
 def peer_candidates(
     step: int | None, ready: list[dict[str, Any]], values: list[dict[str, Any]]
 ) -> list[int]:
-    """Steps to try from the memory tiers, newest first (module docstring, step 1)."""
-    mem = {int(s) for v in ready for s in v["mem"]}
+    """Steps to try from the memory tiers, newest first (module docstring, step 1); a step
+    any node tier holds a copy of an abandoned or superseded branch of is none of them."""
+    mem = {int(s) for v in ready for s in v["mem"]} - _not_live(ready)
     if step is not None:
         return [step] if step in mem else []
     slow = ready[0].get("slow")
@@ -173,6 +185,37 @@ def peer_candidates(
     slower = {int(s) for v in values for s in v["steps"]} - mem
     floor = max(slower, default=-1)
     return sorted((s for s in mem if s > floor), reverse=True)
+
+
+def _lineages(copies: list[tuple[CheckpointStore, int]], *, name: str) -> list[tuple[int, Any]]:
+    """``[(step, lineage as JSON or None: unreadable)]`` of each copy (read from its head)."""
+    out: list[tuple[int, Any]] = []
+    for store, s in copies:
+        lin = copy_lineage(store, s)
+        out.append((s, None if lin is None else "legacy" if lin == LEGACY else lin.to_json()))
+    return out
+
+
+def _not_live(ready: list[dict[str, Any]]) -> set[int]:
+    """Steps of which some node tier's copy is not on the live branch, judged with every node
+    tier's copies and (rank 0's post) the slower tiers' (store/lineage.py)."""
+    copies: list[Copy[tuple[int, int]]] = []
+    posts = [(r, v.get("lin")) for r, v in enumerate(ready)] + [(-1, ready[0].get("slow_lin"))]
+    for r, rows in posts:
+        for i, (s, lin) in enumerate(rows or ()):
+            try:
+                parsed = (
+                    None
+                    if lin is None
+                    else LEGACY
+                    if lin == "legacy"
+                    else parse_lineage(lin, "post")
+                )
+            except FlashCkptError:
+                parsed = None
+            copies.append(Copy(step=int(s), where=(r, i), order=0 if r >= 0 else 1, lineage=parsed))
+    verdict = judge(copies)
+    return {c.step for c, v in verdict.verdicts.items() if v != LIVE and c.where[0] >= 0}
 
 
 def _memory_steps(store: CheckpointStore) -> list[int]:

@@ -55,7 +55,7 @@ def test_other_user_content_in_dir_is_kept_and_a_second_run_reuses_its_own(
 
 def test_a_users_chaos_json_is_not_overwritten(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "chaos.json").write_text("{}")
-    with pytest.raises(ConfigError, match="chaos.json"):
+    with pytest.raises(ConfigError, match=r"chaos\.json"):
         _run(tmp_path, monkeypatch)
     assert (tmp_path / "chaos.json").read_text() == "{}"
 

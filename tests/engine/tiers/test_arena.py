@@ -301,3 +301,4 @@ def test_arenas_of_killed_writers_with_other_lock_names_are_swept(
     ) as ck:  # rank-1's writer ended without close(): swept by the next start
         ck.save(2, _state(2.0)).wait()
     assert sorted(p.name for p in (tier / "staging").iterdir()) == ["notes.txt"]
+    assert not [p for p in (tier / "chunks").rglob("*") if p.is_file()]  # emptied at close

@@ -131,3 +131,15 @@ def test_clean_close_after_dropped_promotions_leaves_nothing(
     with _ckpt(tmp_path) as again:
         assert again.restore(out) == 5
     assert torch.equal(out["w"], _state(5)["w"])
+
+
+def test_clean_close_leaves_no_chunk_of_the_last_save(tmp_path: Path) -> None:
+    """Regression: the last save's job kept pinning its chunks after it was committed, so the
+    clean close deleted the memory tier's steps but left the last step's chunks."""
+    ck = _ckpt(tmp_path, compression="zstd", async_save=True)
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    ck.close()
+    assert _memory_steps(tmp_path) == [] and _chunk_files(tmp_path) == []
+    (ev,) = _events(tmp_path, "memory_emptied")
+    assert ev["bytes_deleted"] > 0

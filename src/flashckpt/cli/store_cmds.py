@@ -41,8 +41,16 @@ def register(sub: Any) -> None:
     )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="re-hash every chunk; exit 1 on damage")
+    p = sub.add_parser(
+        "verify",
+        help="re-hash every chunk of every tier restore reads; exit 1 on damage",
+        description="Re-hash every chunk of every step in each tier a restore of ROOT reads "
+        "(the tiers ROOT/tiers.json records: memory, local, remote), per tier and step. Exit 1 "
+        "on damage, 2 when a tier could not be read.",
+    )
     p.add_argument("root", metavar="ROOT")
+    p.add_argument("--memory-tier", default=None, help="memory tier path (default: tiers.json)")
+    p.add_argument("--remote", default=None, help="remote tier URL (default: ROOT/tiers.json)")
     p.add_argument(
         "--step", type=argtypes.step, default=None, help="verify one step (default: all)"
     )
@@ -152,31 +160,58 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = open_store(args.root)
-    steps = [pick_step(store, args.step)] if args.step is not None else store.steps()
-    checked: dict[str, str | None] = {}
-    bad = gone = 0
-    with Progress(total=len(steps), label="verify") as bar:
-        for step in steps:
-            rep = verify_step(store, step, checked=checked)
-            bar.advance(1)
-            if rep.vanished:
-                gone += 1
-                bar.note(f"step {step}: deleted by retention while verifying (not damage)")
-            elif rep.ok:
-                bar.note(f"step {step}: ok ({rep.chunks} chunks, {format_bytes(rep.bytes)})")
-            else:
+    """Every tier a restore of ROOT reads (its tiers.json, or --memory-tier / --remote), each
+    step of each: restore reads the memory tier's copy first, so its damage is damage."""
+    from flashckpt.engine.tiers.config import tier_stores
+
+    tiers, unavailable = tier_stores(args.root, memory_tier=args.memory_tier, remote=args.remote)
+    several = len(tiers) > 1
+    listed = {name: store.steps() for name, store in tiers}
+    if args.step is not None:
+        if not any(args.step in steps for steps in listed.values()):
+            every = sorted(set().union(*listed.values()))
+            raise NoCheckpointError(f"step {args.step} is not in {args.root}; steps: {every}")
+        listed = {name: [s for s in steps if s == args.step] for name, steps in listed.items()}
+    total = bad = 0
+    damaged: list[str] = []
+    with Progress(total=sum(map(len, listed.values())), label="verify") as bar:
+        for name, store in tiers:
+            where = f"{name} tier " if several else ""
+            checked: dict[str, str | None] = {}
+            for step in listed[name]:
+                rep = verify_step(store, step, checked=checked)
+                bar.advance(1)
+                if rep.vanished:
+                    bar.note(
+                        f"{where}step {step}: deleted by retention while verifying (not damage)"
+                    )
+                    continue
+                total += 1
+                if rep.ok:
+                    bar.note(
+                        f"{where}step {step}: ok ({rep.chunks} chunks, {format_bytes(rep.bytes)})"
+                    )
+                    continue
                 bad += 1
+                damaged.append(f"{name} tier step {step}")
                 for prob in rep.problems:
-                    bar.note(f"DAMAGED {prob}")
-    total = len(steps) - gone
-    for name in store.stray_names():
+                    bar.note(f"DAMAGED {where}{prob}")
+            for stray in store.stray_names():
+                print(
+                    f"ignored {where}steps/{stray!r}: not a canonical step name, so not a "
+                    "checkpoint (planted or foreign; remove it)"
+                )
+    for problem in unavailable:
+        print(f"NOT VERIFIED {problem}")
+    copies = "checkpoint copies" if several else "checkpoints"
+    print(f"{total - bad} of {total} {copies} ok" + (f", {bad} damaged" if bad else ""))
+    if damaged:
         print(
-            f"ignored steps/{name!r}: not a canonical step name, so not a checkpoint "
-            "(planted or foreign; remove it)"
+            f"damaged: {', '.join(damaged)} (restore skips a damaged copy: it reads another "
+            "tier or an older step)"
         )
-    print(f"{total - bad} of {total} checkpoints ok" + (f", {bad} damaged" if bad else ""))
-    return 1 if bad else 0
+        return 1
+    return 2 if unavailable else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flashckpt.demo.chaos_dirs import check_out, fresh, make_out
 from flashckpt.demo.chaos_stats import analyze, baseline_step_s
 from flashckpt.errors import ConfigError
 from flashckpt.journal import read_events
@@ -88,7 +89,8 @@ def run_chaos(
     if not isinstance(promote_every, int) or promote_every < 1:
         raise ConfigError(f"chaos needs --promote-every >= 1, got {promote_every!r}")
     out = out.absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out, ["none", *methods])  # the user's own directories are refused, never deleted
+    make_out(out)
     duration = minutes * 60.0
     if kills is None:
         kills = failure_times(seed=seed, mtbf_s=mtbf_s, duration_s=duration)
@@ -153,10 +155,7 @@ def _config(
     threads: int | None,
     promote_every: int = 1,
 ) -> dict[str, Any]:
-    d = out / method
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
+    d = fresh(out / method)  # emptied only when an earlier chaos run created it
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else d
     cfg = {
         "method": method,

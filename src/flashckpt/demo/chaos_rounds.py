@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.demo.chaos import METHODS, failure_times, run_chaos
+from flashckpt.demo.chaos_dirs import check_out, fresh, make_out
 from flashckpt.errors import ConfigError
 
 _BUSY = "x = 0\nwhile True:\n    x += 1\n"
@@ -66,6 +67,9 @@ def run_rounds(
         raise ConfigError(f"chaos needs --load >= 0, got {load!r}")
     methods = list(methods)
     piece = minutes / segments
+    out = out.absolute()
+    check_out(out, [f"round-{r}" for r in range(segments)])  # never the user's own dirs
+    make_out(out)
     rounds: list[dict[str, Any]] = []
     with busy_load(load):
         for r in range(segments):
@@ -74,7 +78,7 @@ def run_rounds(
             say(f"chaos round {r + 1}/{segments}: {', '.join(order)}")
             rounds.append(
                 run(
-                    out=out / f"round-{r}",
+                    out=fresh(out / f"round-{r}"),
                     minutes=piece,
                     mtbf_s=mtbf_s,
                     methods=order,
@@ -86,7 +90,6 @@ def run_rounds(
             )
     result = aggregate(rounds, methods)
     result.update(minutes=minutes, mtbf_s=mtbf_s, seed=seed, segments=segments, load=load)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -48,6 +48,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from flashckpt.engine.runtime.checkpointer import Checkpointer
 from flashckpt.errors import ConfigError, ManifestError
 from flashckpt.store.files import safeopen
+from flashckpt.store.files.jsonfile import load_json
 from flashckpt.store.gc import collect_garbage
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def read_pointer(path: Any) -> tuple[pathlib.Path, int]:
     p = pathlib.Path(path)
     try:
         raw = safeopen.read_path(p, max_bytes=_MAX_POINTER_BYTES, what="Lightning checkpoint")
-        doc = json.loads(raw)
+        doc = load_json(raw, where=str(p), max_bytes=_MAX_POINTER_BYTES, error=ConfigError)
         root, step = pathlib.Path(doc[POINTER_KEY]), doc["step"]
     except FileNotFoundError:
         raise ConfigError(f"Lightning checkpoint {path} does not exist") from None

@@ -107,6 +107,34 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     return names
 
 
+def check_param_groups(
+    tree: Any, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, entry: str
+) -> None:
+    """Raise StateMismatchError, before any byte of the checkpoint is read, when the saved
+    ``param_groups`` (of the JSON ``tree``) do not group as many parameters, group by group, as
+    ``optimizer``'s: ``torch.optim.Optimizer.load_state_dict`` would refuse them with a plain
+    ValueError only after the rest of the state (the model's weights) was loaded in place."""
+    from flashckpt.state.tree import decode_tree  # (the state tree, without any tensor)
+
+    if is_flat_optimizer(optimizer.state_dict()):
+        return  # torchtitan's container checks its own form
+    saved = by_id(decode_tree(tree, lambda kind, key: None), optimizer, state, entry=entry)
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        return  # no groups saved (a DCP import): the optimizer keeps its own
+    saved_sizes = [len(g.get("params", ())) for g in groups]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != live_sizes:
+        raise StateMismatchError(
+            f"checkpoint entry {entry!r} holds an optimizer with {len(saved_sizes)} param "
+            f"groups of {saved_sizes} parameters, and the optimizer to restore into has "
+            f"{len(live_sizes)} param groups of {live_sizes}: nothing was loaded. Build the "
+            "optimizer with the same param groups as the run that saved it (or leave "
+            f"{entry!r} out of the state to restore only the rest)",
+            keys=[f"{entry}/param_groups"],
+        )
+
+
 def by_id(
     saved: Any, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, entry: str
 ) -> Any:

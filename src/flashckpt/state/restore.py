@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashckpt.errors import ManifestError, StateMismatchError
+from flashckpt.errors import FlashCkptError, ManifestError, StateMismatchError
 from flashckpt.state.capture import check_state, is_stateful
 from flashckpt.state.compiled import canonical, canonical_key, prefix_hint, rekey_like
 from flashckpt.state.dtensor import is_dtensor, local_shard
-from flashckpt.state.optim_names import by_id
+from flashckpt.state.optim_names import by_id, check_param_groups
 from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
 from flashckpt.store.format.dtypes import torch_dtype
 from flashckpt.store.format.manifest import Manifest, TensorEntry
@@ -115,6 +115,7 @@ def plan_restore(
 def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) -> list[str]:
     if isinstance(value, torch.optim.Optimizer):  # names that match no parameter: raise now
         by_id(plan.trees[name], value, plan.state, entry=name)
+        check_param_groups(plan.trees[name], value, plan.state, entry=name)
     plan.raws[name] = target_raw = value.state_dict() if is_stateful(value) else value
     _, leaves = encode_tree(canonical(target_raw, name), name)
     live = {leaf.key: leaf.value for leaf in leaves}  # canonical key paths
@@ -194,6 +195,8 @@ def _deliver(
         else:
             try:
                 value.load_state_dict(decoded)
+            except FlashCkptError:
+                raise
             except KeyError as exc:  # the object wants a key the checkpoint lacks: one error
                 key = exc.args[0] if exc.args else "?"
                 raise StateMismatchError(
@@ -203,6 +206,15 @@ def _deliver(
                     "of object",
                     keys=[f"{name}/{key}"],
                 ) from None
+            except Exception as exc:  # torch's ValueError, a user object's own check: one error
+                raise StateMismatchError(
+                    f"restore: {name!r}.load_state_dict refused checkpoint entry {name!r} "
+                    f"({type(exc).__name__}: {str(exc)[:300]}); the tensors of the state were "
+                    "already loaded in place, so do not train on it: re-create the objects and "
+                    "restore into ones built like those that were saved (or leave this entry "
+                    "out of the state)",
+                    keys=[name],
+                ) from exc
     elif isinstance(value, torch.Tensor):
         if decoded is not value:
             with torch.no_grad():

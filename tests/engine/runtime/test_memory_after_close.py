@@ -101,3 +101,45 @@ def test_preempted_close_keeps_the_memory_tier(tmp_path: Path) -> None:
     ck.close()
     assert _memory_steps(tmp_path) == [1]
     assert not _events(tmp_path, "memory_emptied")
+
+
+def test_clean_close_after_dropped_promotions_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: promotions dropped by ``on_full="skip"`` (a slow disk) left their steps only
+    in the memory tier, so the clean close kept the memory tier and its chunks for good. At
+    close the steps a slower tier's retention wants are promoted, then the tier is emptied."""
+    real = promote.copy_step
+    gate = threading.Event()
+
+    def slow_copy(*a: Any, **kw: Any) -> Any:
+        gate.wait(30)  # held until every save is queued: the queue overflows
+        return real(*a, **kw)
+
+    monkeypatch.setattr(promote, "copy_step", slow_copy)
+    ck = _ckpt(tmp_path, keep_memory=3, keep=3, promotion=Promotion(max_queued=1, on_full="skip"))
+    for step in range(1, 6):
+        ck.save(step, _state(step))
+    gate.set()
+    assert _events(tmp_path, "promote_skipped"), "no promotion was dropped"
+    ck.close()
+    assert _memory_steps(tmp_path) == [] and _chunk_files(tmp_path) == []
+    assert not _events(tmp_path, "memory_kept")
+    disk = CheckpointStore(LocalBackend(tmp_path / "root")).steps()
+    assert disk == [3, 4, 5]
+    out = _state(0)
+    with _ckpt(tmp_path) as again:
+        assert again.restore(out) == 5
+    assert torch.equal(out["w"], _state(5)["w"])
+
+
+def test_clean_close_leaves_no_chunk_of_the_last_save(tmp_path: Path) -> None:
+    """Regression: the last save's job kept pinning its chunks after it was committed, so the
+    clean close deleted the memory tier's steps but left the last step's chunks."""
+    ck = _ckpt(tmp_path, compression="zstd", async_save=True)
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    ck.close()
+    assert _memory_steps(tmp_path) == [] and _chunk_files(tmp_path) == []
+    (ev,) = _events(tmp_path, "memory_emptied")
+    assert ev["bytes_deleted"] > 0

@@ -242,3 +242,63 @@ def test_a_failure_to_give_back_a_half_allocated_arena_still_falls_back(
     monkeypatch.setattr(os, "posix_fallocate", full)
     monkeypatch.setattr(os, "ftruncate", refuse)
     assert ArenaFile(tier, "writer").map(1 * MiB) is None
+
+
+RANK_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from flashckpt.engine.tiers.arena import ArenaFile
+    from flashckpt.store.lock import WriterLock
+    tier, name, end = sys.argv[1], sys.argv[2], sys.argv[3]
+    WriterLock(tier, name=name).acquire()  # the memory tier's writer lock of that rank
+    assert ArenaFile(__import__("pathlib").Path(tier), name).map(1 << 20) is not None
+    print("mapped", flush=True)
+    if end == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.read()  # "live": holds its lock until the test closes stdin
+    """
+)
+
+
+def test_arenas_of_killed_writers_with_other_lock_names_are_swept(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Regression: a killed single process (``writer``) then a torchrun job (``rank-<r>``), or
+    8 ranks then 4, left the killed writers' arenas in /dev/shm for good: the next writers
+    only ever map their own names. Whoever takes an arena now sweeps those nobody's lock
+    holds; a live writer's arena (another rank of the node) stays."""
+    tier = _tier(shm_dir)
+    for name in ("writer", "rank-5", "rank-7"):  # killed with SIGKILL, arenas left behind
+        res = subprocess.run(
+            [sys.executable, "-c", RANK_WRITER, str(tier), name, "kill"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == -signal.SIGKILL and "mapped" in res.stdout, res.stderr
+    live = subprocess.Popen(
+        [sys.executable, "-c", RANK_WRITER, str(tier), "rank-1", "live"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert live.stdout is not None and live.stdout.readline().strip() == "mapped"
+        (tier / "staging" / "notes.txt").write_text("not an arena")  # never touched
+        left = sorted(p.name for p in (tier / "staging").iterdir())
+        assert left == ["notes.txt", "rank-1.arena", "rank-5.arena", "rank-7.arena",
+                        "writer.arena"]  # fmt: skip
+        with flashckpt.Checkpointer(
+            tmp_path / "root", memory_tier=tier, async_save=True, compression="zstd"
+        ) as ck:  # a new single-process writer: its own arena is "writer"
+            ck.save(1, _state(1.0)).wait()
+            assert ck._pool.file_backed
+            left = sorted(p.name for p in (tier / "staging").iterdir())
+            assert left == ["notes.txt", "rank-1.arena", "writer.arena"], left
+    finally:
+        assert live.stdin is not None
+        live.stdin.close()
+        live.wait(60)
+    assert sorted(p.name for p in (tier / "staging").iterdir()) == ["notes.txt", "rank-1.arena"]
+    with flashckpt.Checkpointer(
+        tmp_path / "root", memory_tier=tier, async_save=True, compression="zstd"
+    ) as ck:  # rank-1's writer ended without close(): swept by the next start
+        ck.save(2, _state(2.0)).wait()
+    assert sorted(p.name for p in (tier / "staging").iterdir()) == ["notes.txt"]
+    assert not [p for p in (tier / "chunks").rglob("*") if p.is_file()]  # emptied at close

@@ -70,7 +70,9 @@ def test_promotion_queue_is_bounded_and_skips_intermediate_steps(tmp_path, shm_d
         ck.wait_promoted(60)
     skipped = [e["step"] for e in read_events(root) if e["event"] == "promote_skipped"]
     assert skipped and all(1 < s < 8 for s in skipped)
-    assert 8 in _steps(root) and not set(skipped) & set(_steps(root))
+    # a skipped step the memory tier still holds at close (keep_memory=2: step 7) is promoted
+    # by close (engine/tiers/closing.py: nothing stays in memory only); the others never are
+    assert 8 in _steps(root) and not (set(skipped) - {7}) & set(_steps(root))
     assert _chunk_files(shm_dir) == _referenced(shm_dir)
 
 

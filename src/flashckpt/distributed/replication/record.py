@@ -15,6 +15,7 @@ from typing import Any
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.store.files import safeopen
+from flashckpt.store.files.jsonfile import load_json
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def read_record(tier: Path) -> dict[str, Any]:
     """``{"replicated": {step: {...}}, "stopped": reason | None}`` of a node tier ({} if none)."""
     try:
         data = safeopen.read_file(tier, RECORD_NAME, max_bytes=MAX_RECORD_BYTES)
-        doc = json.loads(data)
+        doc = load_json(data, where=str(tier / RECORD_NAME), max_bytes=MAX_RECORD_BYTES)
     except FileNotFoundError:
         return {}
     except (FlashCkptError, OSError, ValueError) as exc:

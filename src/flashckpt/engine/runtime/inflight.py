@@ -25,9 +25,15 @@ class InFlight:
         return self.handle is not None and not self.handle.done()
 
     def pinned(self) -> set[str]:
-        """Chunks the save in flight wrote or reuses: garbage collection must spare them."""
-        job = self.job
-        return job.pinned_hashes if job is not None else set()
+        """Chunks the save in flight wrote or reuses: garbage collection must spare them. A save
+        that ended pins nothing: committed, its manifest references its chunks (the liveness
+        owner keeps them for as long as it exists); failed, they are garbage. (It pinned the
+        last step's chunks for good, so a clean close that emptied the memory tier left them.)"""
+        with self._lock:
+            handle, job = self.handle, self.job
+        if job is None or (handle is not None and handle.done()):
+            return set()
+        return job.pinned_hashes
 
     def wait_staged(self) -> None:
         """For the optimizer pre-step hook: wait for staging, count it as blocking time on the

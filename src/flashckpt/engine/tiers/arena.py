@@ -24,7 +24,12 @@ Rules:
 * its bytes are never read before a save writes them (staging copies, then hashes what it
   copied), so stale or planted contents cannot reach a checkpoint;
 * ``close()`` (:meth:`ArenaFile.remove`) deletes it; a killed process leaves it for the next
-  start, which resizes it to what it needs. Deleting the memory tier's directory removes it.
+  start, which resizes it to what it needs. Deleting the memory tier's directory removes it;
+* an arena is owned by the holder of the tier's writer lock of the same name
+  (``<tier>/locks/<name>.lock``; the kernel drops it when that process dies). When a writer
+  takes its arena it deletes every other arena whose lock nobody holds (:func:`sweep_orphans`):
+  a killed single process followed by a torchrun job (``writer`` then ``rank-<r>``), or 8 ranks
+  followed by 4, leaves no arena nobody will map again.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +52,7 @@ from flashckpt.engine.tiers.build import Tier
 from flashckpt.errors import FlashCkptError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.lock import writer_holder
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +148,38 @@ class ArenaFile:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_ARENA_RE = re.compile(r"^(writer|rank-[0-9]{1,7})\.arena$")  # the writer lock names
+
+
+def sweep_orphans(tier: Path, *, own: str) -> list[str]:
+    """Delete the arenas in ``tier`` whose writer lock nobody holds (their process is gone),
+    except writer ``own``'s; returns the names deleted. Only files named like an arena are
+    considered (anything else in ``staging/`` is left alone), each re-checked by the lock
+    probe; a failure is logged and leaves the file."""
+    try:
+        names = safeopen.list_names(tier, DIR)
+    except FileNotFoundError:
+        return []
+    except (OSError, FlashCkptError) as exc:
+        log.warning("staging arena: cannot look for orphaned arenas in %s: %s", tier / DIR, exc)
+        return []
+    swept: list[str] = []
+    for entry in names:
+        match = _ARENA_RE.match(entry)
+        if match is None or match.group(1) == own:
+            continue
+        try:
+            if writer_holder(tier, name=match.group(1)) is not None:
+                continue  # its writer lives (another rank of this node)
+            if not safeopen.is_regular(tier, f"{DIR}/{entry}"):
+                continue
+            safeopen.unlink_nofollow(tier, f"{DIR}/{entry}")
+            swept.append(entry)
+        except (OSError, FlashCkptError) as exc:
+            log.warning("staging arena: not removing orphaned %s: %s", tier / DIR / entry, exc)
+    if swept:
+        log.info("staging arena: removed %s in %s (their writers are gone)", swept, tier / DIR)
+    return swept
 
 
 def arena_for(tier: Tier, *, name: str) -> ArenaFile | None:
@@ -149,4 +188,7 @@ def arena_for(tier: Tier, *, name: str) -> ArenaFile | None:
     backend = tier.store.backend
     if tier.name != "memory" or tier.path is None or not isinstance(backend, LocalBackend):
         return None
-    return ArenaFile(tier.path, name) if backend.in_memory else None
+    if not backend.in_memory:
+        return None
+    sweep_orphans(tier.path, own=name)  # this writer holds the tier's lock ``name`` already
+    return ArenaFile(tier.path, name)

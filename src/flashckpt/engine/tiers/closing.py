@@ -7,9 +7,12 @@ and collects their chunks (through the store's liveness owner, like any retentio
 the memory tier as it is, and journals ``memory_kept`` with the reason, when
 
 * promotions to the slower tiers did not finish within the close timeout;
-* any memory-tier step has no committed copy in a slower tier (a promotion that failed or was
-  dropped, or a slower tier whose retention does not keep that step), except the steps that
-  ``Promotion(every=)`` kept in memory on purpose, older than a step a slower tier holds;
+* any memory-tier step has no committed copy in a slower tier (a promotion that failed, or a
+  slower tier whose retention does not keep that step), except the steps that
+  ``Promotion(every=)`` kept in memory on purpose, older than a step a slower tier holds. A
+  step whose promotion was dropped (``on_full="skip"``) and that a slower tier's retention
+  still wants is promoted first (:func:`promote_dropped`, within the close timeout), so a
+  slow disk during the run does not leave the memory tier full after a clean close;
 * a slower tier cannot be listed (unreachable remote).
 
 The Checkpointer calls it only for a single process (no torch.distributed: each node's memory
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flashckpt.errors import FlashCkptError
@@ -41,8 +45,12 @@ def empty_memory_tier(tiers: TierSet, journal: Journal, timeout_s: float | None)
     if mem.name != "memory" or len(tiers.tiers) < 2:
         return timeout_s
     t0 = time.monotonic()
-    drained = tiers.promoter.drain(timeout_s)
-    left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+
+    def left_s() -> float | None:
+        return None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+
+    drained = promote_dropped(tiers, left_s)
+    left = left_s()
     if not drained:
         _kept(journal, "promotions to the slower tiers did not finish before close", [])
         return left
@@ -71,6 +79,33 @@ def empty_memory_tier(tiers: TierSet, journal: Journal, timeout_s: float | None)
     )
     log.info("memory tier %s emptied at close: steps %s are in slower tiers", mem.url, steps)
     return left
+
+
+def promote_dropped(tiers: TierSet, left_s: Callable[[], float | None]) -> bool:
+    """Promote, one at a time, each memory-tier step that no slower tier holds and a slower
+    tier's retention wants (its promotion was dropped while the queue was full); the steps the
+    ``every=`` cadence kept in memory on purpose are left as they are. True when every
+    promotion finished within ``left_s()``."""
+    if not tiers.promoter.drain(left_s()):
+        return False
+    mem, slower = tiers.fastest, tiers.tiers[1:]
+    try:
+        held = [set(t.store.steps()) for t in slower]
+        steps = mem.store.steps()
+        newest = max((max(h) for h in held if h), default=None)
+        for step in steps:
+            if any(step in h for h in held):
+                continue
+            if tiers.promote_every > 1 and newest is not None and step < newest:
+                continue  # the cadence's own choice (see empty_memory_tier)
+            if not any(tiers.wants(t, step) for t in slower):
+                continue
+            tiers.committed(step, mem, force=True)
+            if not tiers.promoter.drain(left_s()):
+                return False
+    except FlashCkptError as exc:  # the caller's listing says why it keeps the tier
+        log.warning("cannot promote the dropped steps at close: %s", exc)
+    return True
 
 
 def _kept(journal: Journal, reason: str, steps: list[int]) -> None:

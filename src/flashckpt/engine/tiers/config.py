@@ -53,16 +53,19 @@ def open_tier_store(
     return CheckpointStore(LocalBackend(url, create=False))
 
 
-def list_tiers(
+def tier_stores(
     root: str | os.PathLike[str], *, memory_tier: str | None = None, remote: str | None = None
-) -> dict[int, list[tuple[str, CheckpointStore]]]:
-    """``{step: [(tier name, store), ...] fastest first}`` for the tiers recorded in
-    ``root/tiers.json`` (overridden by ``memory_tier`` / ``remote``). Read-only; an unreachable
-    tier is reported with a warning and skipped."""
+) -> tuple[list[tuple[str, CheckpointStore]], list[str]]:
+    """``([(tier name, store), ...] fastest first, [problems])``: every tier a restore of
+    ``root`` reads, as ``root/tiers.json`` records them (overridden by ``memory_tier`` /
+    ``remote``). Read-only. A tier that cannot be opened or listed is left out and named in
+    the problems (each also a warning); a recorded tier that is ``root`` itself is listed once."""
     p = Path(root).expanduser()
     cfg = read_config(p)
     if not cfg and not (p / "steps").is_dir():
         raise ConfigError(f"{root} is not a flashckpt checkpoint root (no steps/ or {CONFIG_NAME})")
+    if memory_tier is None and "memory" in cfg and _same(Path(cfg["memory"]), p):
+        del cfg["memory"]  # ROOT is the memory tier itself (flashckpt verify <memory tier>)
     if memory_tier is None and "memory" in cfg and not _recorded_tier_ok(p, Path(cfg["memory"])):
         del cfg["memory"]
     cfg["local"] = str(p)
@@ -70,19 +73,43 @@ def list_tiers(
         cfg["memory"] = memory_tier
     if remote is not None:
         cfg["remote"] = remote
-    out: dict[int, list[tuple[str, CheckpointStore]]] = {}
+    out: list[tuple[str, CheckpointStore]] = []
+    problems: list[str] = []
     for name in ORDER:
         if name not in cfg:
             continue
         try:
+            if name != "remote" and not Path(cfg[name]).is_dir():
+                raise ConfigError("no such directory")
             store = open_tier_store(name, cfg[name])
+            store.steps()
+        except FlashCkptError as exc:
+            problems.append(f"{name} tier {cfg[name]} is unavailable: {exc}")
+            warnings.warn(problems[-1], stacklevel=2)
+            continue
+        out.append((name, store))
+    return out, problems
+
+
+def list_tiers(
+    root: str | os.PathLike[str], *, memory_tier: str | None = None, remote: str | None = None
+) -> dict[int, list[tuple[str, CheckpointStore]]]:
+    """``{step: [(tier name, store), ...] fastest first}`` for the tiers of
+    :func:`tier_stores` (an unreachable tier is reported with a warning and skipped)."""
+    out: dict[int, list[tuple[str, CheckpointStore]]] = {}
+    for name, store in tier_stores(root, memory_tier=memory_tier, remote=remote)[0]:
+        try:
             steps = store.steps()
         except FlashCkptError as exc:
-            warnings.warn(f"{name} tier {cfg[name]} is unavailable: {exc}", stacklevel=2)
+            warnings.warn(f"{name} tier {store.url} is unavailable: {exc}", stacklevel=2)
             continue
         for s in steps:
             out.setdefault(s, []).append((name, store))
     return out
+
+
+def _same(a: Path, b: Path) -> bool:
+    return os.path.normpath(a.absolute()) == os.path.normpath(b.absolute())  # no file access
 
 
 def _recorded_tier_ok(root: Path, mem: Path) -> bool:

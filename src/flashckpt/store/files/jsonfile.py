@@ -6,7 +6,9 @@ Any of those files may be damaged or planted. ``json.loads`` alone turns a nesti
 next recursive walker), and accepts values of any type. :func:`load_json` bounds the size, the
 nesting depth (checked without recursion), the number of objects and lists (counted before
 parsing: a file of empty objects costs Python twenty times its size) and refuses
-``NaN``/``Infinity``; every failure is the caller's :class:`~flashckpt.errors.FlashCkptError`
+``NaN``/``Infinity`` and any object with a duplicate key (``json.loads`` keeps the last one
+silently, so two readers, or a reader and a human, could see different documents); every
+failure is the caller's :class:`~flashckpt.errors.FlashCkptError`
 subclass naming the file.
 """
 
@@ -31,6 +33,17 @@ def container_limit(nbytes: int) -> int:
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)  # C speed; the slow search only for a document that has a duplicate
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key[:100]!r} in one object")
+            seen.add(key)
+    return doc
 
 
 def depth_of(doc: Any, *, limit: int) -> int:
@@ -78,7 +91,11 @@ def load_json(
             "is built like that (refusing to parse it)"
         )
     try:
-        doc = json.loads(data, parse_constant=None if allow_nan else _no_constants)
+        doc = json.loads(
+            data,
+            parse_constant=None if allow_nan else _no_constants,
+            object_pairs_hook=_unique_keys,
+        )
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply to be a flashckpt file") from None
     except (ValueError, UnicodeDecodeError, TypeError) as exc:

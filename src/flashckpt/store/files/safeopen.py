@@ -290,6 +290,16 @@ def lstat_in(base: str | os.PathLike[str], rel: str) -> os.stat_result:
         os.close(dfd)
 
 
+@_gateway
+def list_names(base: str | os.PathLike[str], rel: str) -> list[str]:
+    """The names in directory ``base/rel`` (reached without following symlinks), sorted."""
+    dfd = open_dir(base, rel)
+    try:
+        return sorted(os.listdir(dfd))
+    finally:
+        os.close(dfd)
+
+
 def is_regular(base: str | os.PathLike[str], rel: str) -> bool:
     """True when ``base/rel`` is a regular file reached without following symlinks."""
     try:

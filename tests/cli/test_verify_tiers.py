@@ -66,8 +66,9 @@ def test_explicit_memory_tier_flag(tmp_path: Path, tiers, capsys) -> None:
 def test_a_named_tier_that_cannot_be_read_is_not_ok(tiers, tmp_path: Path, capsys) -> None:
     root, _ = tiers
     rc = main(["verify", str(root), "--memory-tier", str(tmp_path / "nowhere")])
-    out = capsys.readouterr().out
-    assert rc == 2 and "NOT VERIFIED memory tier" in out, out
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if "error" in ln]
+    assert rc == 2 and len(errors) == 1 and "NOT VERIFIED: memory tier" in errors[0], err
 
 
 def test_verifying_a_memory_tier_directly_still_works(tiers, capsys) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from flashckpt.cli import argtypes
 from flashckpt.cli.progress import Progress
 from flashckpt.cli.roots import open_store, pick_step
-from flashckpt.errors import FlashCkptError, NoCheckpointError
+from flashckpt.errors import ConfigError, FlashCkptError, NoCheckpointError
 from flashckpt.journal import JOURNAL_NAME, Journal
 from flashckpt.store.format.manifest import Manifest
 from flashckpt.store.gc import collect_garbage
@@ -201,8 +201,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     f"ignored {where}steps/{stray!r}: not a canonical step name, so not a "
                     "checkpoint (planted or foreign; remove it)"
                 )
-    for problem in unavailable:
-        print(f"NOT VERIFIED {problem}")
     copies = "checkpoint copies" if several else "checkpoints"
     print(f"{total - bad} of {total} {copies} ok" + (f", {bad} damaged" if bad else ""))
     if damaged:
@@ -211,7 +209,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "tier or an older step)"
         )
         return 1
-    return 2 if unavailable else 0
+    if unavailable:  # exit 2 with one error line, as every bad input (the steps above are ok)
+        raise ConfigError(f"NOT VERIFIED: {'; '.join(unavailable)}")
+    return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -94,7 +94,9 @@ def test_close_stops_the_promoter_before_releasing_tier_locks(tmp_path, shm_dir,
     real_release = tiers.release_locks
 
     def watching(ts):
-        alive_at_release.append(any(t.name == "flashckpt-promote" for t in threading.enumerate()))
+        # this Checkpointer's promoter (another test of the worker may have left a stuck one)
+        thread = ck._tiers.promoter._thread
+        alive_at_release.append(thread is not None and thread.is_alive())
         return real_release(ts)
 
     monkeypatch.setattr(tiers, "release_locks", watching)

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 from torture_faults import count
-from torture_oracle import disk_steps, excused, inspect_step, manifest_path, temp_files
+from torture_oracle import (
+    copy_lineage,
+    disk_steps,
+    excused,
+    inspect_step,
+    lineage_live,
+    manifest_path,
+    temp_files,
+)
 
 import flashckpt
 
@@ -104,8 +112,13 @@ class Checks:
                 truth = inspect_step(d, s)
                 if excused(truth, d, seen[s], taints):
                     continue
-                if not truth.present:
-                    self.fail("retained_step_missing", f"step {s} is gone from {d}")
+                if not truth.present and (str(d), s) not in self.live_copies():
+                    continue  # abandoned: a restore removed it (it still counted for retention)
+                elif not truth.present:
+                    self.fail(
+                        "retained_step_missing",
+                        f"step {s} is gone from {d} (window {window}, there {disk_steps(d)})",
+                    )
                     seen.pop(s)  # (known bug) forget it
                 elif not truth.intact:
                     self.fail("retained_step_damaged", f"step {s} in {d}: {truth.bad_chunks}")
@@ -122,10 +135,23 @@ class Checks:
             self.temp_seen.update(left)
             self.fail("temp_file_left", f"temporary files after quiescence: {left[:4]}")
 
+    def live_copies(self) -> set[tuple[str, int]]:
+        """The copies lineage makes the checkpoint (torture_oracle.lineage_live), judged with
+        every copy present and every copy seen before (a restore removes abandoned ones)."""
+        seen = self.__dict__.setdefault("lineage_seen", {})
+        for _, d, _ in self.tiers:
+            for s in disk_steps(d):
+                seen[(str(d), s)] = copy_lineage(d, s)  # (a step number saved again: anew)
+        return lineage_live(seen)
+
+    def valid_copy(self, d: Any, step: int, live: set[tuple[str, int]]) -> bool:
+        return (str(d), step) in live and inspect_step(d, step).intact
+
     def newest_valid(self) -> tuple[int | None, list[int]]:
         present = sorted({s for _, d, _ in self.tiers for s in disk_steps(d)})
+        live = self.live_copies()
         for s in reversed(present):
-            if any(inspect_step(d, s).intact for _, d, _ in self.tiers):
+            if any(self.valid_copy(d, s, live) for _, d, _ in self.tiers):
                 return s, present
         return None, present
 
@@ -174,7 +200,8 @@ class Checks:
 
     def check_restore_step(self, step: int, *, clean: bool) -> None:
         with self.plan.off():
-            intact = any(inspect_step(d, step).intact for _, d, _ in self.tiers)
+            live = self.live_copies()
+            intact = any(self.valid_copy(d, step, live) for _, d, _ in self.tiers)
         tgt = self.target()
         count("checks.restore")
         try:

@@ -149,3 +149,57 @@ def excused(truth: StepTruth, tier: Path, committed_op: int, taints: list[Taint]
         if not ok:
             return False
     return True
+
+
+# -- lineage (issue 27): which copy of a step is the checkpoint ------------------------------
+# Written apart from the library's judge (store/lineage.py), from the rule as documented: the
+# newest generation's chain of branch links is the live branch; a copy of generation g and
+# step N is live when g is on the chain and N is at most the step where the chain left g; of
+# the live copies of one step the newest generation wins. A copy without a readable lineage
+# is left to the damage checks (live here).
+LinKey = tuple[str, int]  # (tier dir, step)
+Lin = tuple[int, "int | None", "int | None"]  # (generation, parent generation, parent step)
+
+
+def copy_lineage(tier: Path, step: int) -> Lin | None:
+    doc = read_manifest(tier, step)
+    if doc is None:
+        return None
+    lin = doc.get("lineage")
+    if lin is None:
+        return (0, None, None)
+    try:
+        return (int(lin["generation"]), lin["parent_generation"], lin["parent_step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def lineage_live(copies: dict[LinKey, Lin | None]) -> set[LinKey]:
+    """The copies on the live branch (and those whose lineage cannot be read)."""
+    first: dict[int, tuple[int, Lin]] = {}
+    for (_, step), lin in copies.items():
+        if lin is not None and (lin[0] not in first or step < first[lin[0]][0]):
+            first[lin[0]] = (step, lin)
+    if not first:
+        return set(copies)
+    allowed: dict[int, float] = {}
+    cur, bound = max(first), float("inf")
+    for g in range(max(first), -1, -1):
+        if g != cur:
+            continue
+        allowed[g] = bound
+        link = first[g][1] if g in first else None
+        if link is not None and link[2] is not None and link[1] is not None:
+            bound = min(bound, link[2])
+            cur = link[1]
+        else:
+            cur = g - 1
+    best: dict[int, int] = {}
+    for (_, step), lin in copies.items():
+        if lin is not None and step <= allowed.get(lin[0], -1.0):
+            best[step] = max(best.get(step, -1), lin[0])
+    return {
+        key
+        for key, lin in copies.items()
+        if lin is None or (key[1] <= allowed.get(lin[0], -1.0) and best[key[1]] == lin[0])
+    }

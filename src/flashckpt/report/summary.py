@@ -297,11 +297,6 @@ def save_records(events: Iterable[Event]) -> list[SaveRecord]:
     return JournalFold().extend(events).save_records()
 
 
-def restores(events: Iterable[Event]) -> list[dict[str, Any]]:
-    """One ``{"t", "step", "seconds", "parts"}`` per restore (:mod:`flashckpt.report.lost`)."""
-    return JournalFold().extend(events).restored.rows
-
-
 def summarize(
     events: Iterable[Event], *, gpu_hour_price: float | None = None, gpus: int | None = None
 ) -> RunSummary:

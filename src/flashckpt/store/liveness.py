@@ -199,9 +199,7 @@ class Liveness:
         with self.mutex:
             if ref.hash in self.quarantined:
                 return
-            self._stamps[ref.hash] = Stamp(
-                key=key, size=ref.size, codec=ref.codec, at=time.monotonic()
-            )
+            self._stamp(ref, key)
             stored = dataclasses.replace(ref, stored_size=key[1])
             self.index().setdefault(ref.hash, stored)
 
@@ -221,9 +219,10 @@ class Liveness:
             self.index()[ref.hash] = ref
             self.quarantined.discard(ref.hash)
             if key is not None:
-                self._stamps[ref.hash] = Stamp(
-                    key=key, size=ref.size, codec=ref.codec, at=time.monotonic()
-                )
+                self._stamp(ref, key)
+
+    def _stamp(self, ref: ChunkRef, key: FileKey) -> None:
+        self._stamps[ref.hash] = Stamp(key=key, size=ref.size, codec=ref.codec, at=time.monotonic())
 
     def forget(self, h: str) -> None:
         with self.mutex:

@@ -213,21 +213,19 @@ def restore_from_tiers(
 
     if dist is None:
         got = restore_newest(holders, step, load, tiers.restore, attempt)
-        if branch is not None:
-            branch.restored(got, None if got is None else verdict.generation(got))
-        return got
-    got = dist.restore(  # every rank loads the same step (distributed/restore.py)
-        store,
-        journal,
-        state,
-        step=step,
-        steps=sorted(holders),
-        load=lambda s: tiers.restore(s, holders.get(s, []), partial(load, s)),
-        load_tier=load,
-        damaged=attempt.damaged,  # steps no rank could load: a later save replaces them
-    )
-    if got is None and attempt.touched is not None:
-        raise attempt.fail()
+    else:
+        got = dist.restore(  # every rank loads the same step (distributed/restore.py)
+            store,
+            journal,
+            state,
+            step=step,
+            steps=sorted(holders),
+            load=lambda s: tiers.restore(s, holders.get(s, []), partial(load, s)),
+            load_tier=load,
+            damaged=attempt.damaged,  # steps no rank could load: a later save replaces them
+        )
+        if got is None and attempt.touched is not None:
+            raise attempt.fail()
     if branch is not None:
         branch.restored(got, None if got is None else verdict.generation(got))
     return got

@@ -209,28 +209,32 @@ class TierSet:
     def retain(self, tier: Tier) -> None:
         """Apply ``tier``'s retention and collect its garbage (the liveness module spares every
         pinned or referenced chunk; gc is skipped, and says so, while another process writes)."""
-        with self._gc_lock:
-            deleted = apply_retention(tier.store, tier.keep)
-            if not tier.store.liveness.has_garbage():
-                return
-            res = collect_garbage(tier.store, pinned=self._extra_pins())
-        self._journal_gc(tier, deleted, res)
+        self._delete_and_collect(tier, lambda: apply_retention(tier.store, tier.keep))
 
     def drop(self, tier: Tier, steps: list[int]) -> None:
         """Delete ``steps`` from ``tier`` (copies lineage abandoned: engine/restore/lineage.py)
         through the store, then collect what only they referenced (liveness decides)."""
-        deleted = []
-        with self._gc_lock:
+
+        def delete() -> tuple[int, ...]:
+            deleted = []
             for step in steps:
                 try:
                     tier.store.delete_step(step)
                 except FileNotFoundError:
                     continue
                 deleted.append(step)
+            return tuple(deleted)
+
+        self._delete_and_collect(tier, delete)
+
+    def _delete_and_collect(self, tier: Tier, delete: Callable[[], tuple[int, ...]]) -> None:
+        """``delete()`` steps of ``tier`` and collect its garbage, under the gc lock."""
+        with self._gc_lock:
+            deleted = delete()
             if not tier.store.liveness.has_garbage():
                 return
             res = collect_garbage(tier.store, pinned=self._extra_pins())
-        self._journal_gc(tier, tuple(deleted), res)
+        self._journal_gc(tier, deleted, res)
 
     def _journal_gc(self, tier: Tier, deleted: tuple[int, ...], res: GcResult) -> None:
         if res.skipped is not None:

@@ -255,11 +255,14 @@ def test_no_warm_arena_for_a_fresh_root_or_a_sync_cpu_checkpointer(tmp_path):
 def test_warmup_lists_the_stored_chunks_and_starts_the_threads(tmp_path):
     """Regression: a tier's first save listed every chunk directory (its chunk index) before
     its first write, and started each worker thread as it went; the warm-up does both at
-    start, and the first save still reuses what the index holds."""
+    start, and the first save after the restart's restore still reuses what the index holds
+    (a chunk is reused once this process verified it: the restore did, store/liveness.py;
+    without the restore the outcome hung on whether the idle scrub had verified them yet)."""
     state = _big_state()
     with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
         ck.save(1, state)
     with flashckpt.Checkpointer(tmp_path, chunk_size="1MiB") as ck:
+        assert ck.restore(state) == 1
         _wait_warm(ck)
         assert ck.store.liveness._index is not None, "the chunk index was not built"
         assert len(ck.store.liveness._index) == 6

@@ -89,15 +89,20 @@ def check_state(state: Any) -> Mapping[str, Any]:
 def capture(state: Mapping[str, Any]) -> Captured:
     """Flatten ``state``; raises :class:`UnsupportedStateError` before anything is written."""
     out = Captured()
-    for name, value in check_state(state).items():
-        raw = value.state_dict() if is_stateful(value) else value
-        tree, leaves = encode_tree(canonical(raw, name), name)  # no torch.compile '_orig_mod.'
-        out.tree[name] = tree
-        with torch.no_grad():  # the byte views need no autograd record (nor a detach each)
+    with torch.no_grad():  # the byte views need no autograd record (nor a detach each)
+        for name, value in check_state(state).items():
+            if isinstance(value, torch.Tensor):  # a bare tensor entry: no tree walk, no hooks
+                out.tree[name] = {"__t__": name}  # what encode_tree gives a bare tensor
+                out.items.append(_item(Leaf(key=name, value=value)))
+                continue
+            raw = value.state_dict() if is_stateful(value) else value
+            tree, leaves = encode_tree(canonical(raw, name), name)  # no '_orig_mod.'
+            out.tree[name] = tree
             out.items.extend([_item(leaf) for leaf in leaves])
-        meta = hf_meta(value)
-        if meta:
-            out.meta[name] = meta
+            if isinstance(value, torch.nn.Module):  # transformers models are modules
+                meta = hf_meta(value)
+                if meta:
+                    out.meta[name] = meta
     return out
 
 

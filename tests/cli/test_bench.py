@@ -75,3 +75,16 @@ def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floo
     assert "| dispatch |" in table and "flashckpt_memory" in table and "memcpy" in table
     assert table.count("..") >= 2  # each method's spread over its rounds
     assert list(tmp_path.iterdir()) == []  # the runs' roots are removed
+
+
+def test_contended_loop_runs_the_threads_the_busy_processes_leave(monkeypatch):
+    """The contended profile's loop gets the cores its busy processes leave, at least one; a
+    thread per core beside busy processes stalls at every barrier and drowns the save's cost."""
+    from flashckpt.cli.bench import cost as bench_cost
+
+    monkeypatch.setattr(bench_cost.os, "cpu_count", lambda: 8)
+    assert bench_cost._threads("dispatch", 0) == 1
+    assert bench_cost._threads("compute", 0) == 8
+    assert bench_cost._threads("contended", 2) == 6
+    assert bench_cost._threads("contended", 8) == 1
+    assert bench_cost._threads("contended", 12) == 1

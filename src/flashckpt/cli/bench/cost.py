@@ -9,7 +9,8 @@ each run a fresh process. Three loop profiles:
 * ``dispatch``: many small ops on one thread (what a GPU job's launcher thread does);
 * ``compute``: matmuls on every core;
 * ``contended``: ``compute`` with busy processes beside it (data-loader workers, another job),
-  started before and stopped after each run, baselines included.
+  started before and stopped after each run, baselines included; the loop runs as many
+  intra-op threads as the busy processes leave cores (at least one).
 
 Methods: ``torch_save`` (+ fsync), ``dcp_thread`` and ``dcp_process`` (``dcp.async_save`` in its
 two modes), ``flashckpt_disk`` and ``flashckpt_memory`` (async, with a memory tier in
@@ -138,11 +139,25 @@ def _one_rank_group() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def _threads(profile: str, load: int) -> int:
+    """Intra-op threads of a profile's loop: one for ``dispatch``, every core for ``compute``,
+    and for ``contended`` the cores the busy processes leave (at least one). A team of as many
+    threads as cores beside busy processes stalls at every barrier the moment one thread loses
+    its core: its no-save runs took 12.6-38.9 s in one run, so no save's cost could be told
+    from that spread; a job tuned for a shared host runs fewer threads."""
+    cpus = os.cpu_count() or 1
+    if profile == "dispatch":
+        return 1
+    if profile == "contended":
+        return max(1, cpus - load)
+    return cpus
+
+
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One fresh process: ``cfg["method"]`` (or ``none``) in ``cfg["profile"]``'s loop."""
     import torch
 
-    torch.set_num_threads(1 if cfg["profile"] == "dispatch" else (os.cpu_count() or 1))
+    torch.set_num_threads(_threads(cfg["profile"], cfg.get("load", 0)))
     model, opt = _state(cfg["state_bytes"], cfg["tensors"])
     work = _work(cfg["profile"])
     root = Path(cfg["root"])
@@ -302,6 +317,7 @@ def run(
                             "tensors": tensors,
                             "steps": steps,
                             "every": every,
+                            "load": load if profile == "contended" else 0,
                         }
                     )
                     shutil.rmtree(root, ignore_errors=True)

@@ -546,20 +546,51 @@ def zero_rows() -> list[dict[str, Any]]:
 
     model = build_hf_model(named_config("llama-3-8b"))
     psi = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     paper = {1: 4 + 12 / 8, 2: 2 + 14 / 8, 3: 16 / 8}
     rows = []
     for stage, per_param in paper.items():
         est = estimate(model, device="cpu", batch_size=1, seq_len=8, zero_stage=stage, world_size=8)
         states = sum(est.breakdown[k] for k in ("params", "grads", "optimizer", "master_weights"))
+        ds = deepspeed_gpu_bytes(stage, psi, largest, gpus=8)
         rows.append(
             {
                 "stage": stage,
                 "traced_gb": states / 1e9,
                 "paper_gb": per_param * psi / 1e9,
                 "error": states / (per_param * psi) - 1,
+                "deepspeed_gb": None if ds is None else ds / 1e9,
             }
         )
     return rows
+
+
+def deepspeed_gpu_bytes(stage: int, params: int, largest_layer: int, *, gpus: int) -> int | None:
+    """GPU bytes of model states per GPU as DeepSpeed's own estimator reports them (no offload;
+    ZeRO-1 shares ZeRO-2's estimator), or None when ``deepspeed`` is not installed."""
+    import contextlib
+    import io
+
+    try:
+        if stage == 3:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        else:
+            from deepspeed.runtime.zero.stage_1_and_2 import (
+                estimate_zero2_model_states_mem_needs,
+            )
+    except Exception:  # not installed, or it fails to import on this host
+        return None
+    with contextlib.redirect_stdout(io.StringIO()):
+        if stage == 3:
+            _, gpu, _ = estimate_zero3_model_states_mem_needs(
+                params, largest_layer, num_gpus_per_node=gpus, cpu_offload=False,
+                cpu_offload_params=False,
+            )  # fmt: skip
+        else:
+            _, gpu = estimate_zero2_model_states_mem_needs(
+                params, num_gpus_per_node=gpus, cpu_offload=False
+            )
+    return int(gpu)
 
 
 def cpu_table(rows: list[dict[str, Any]]) -> str:
@@ -625,11 +656,16 @@ def main(argv: list[str] | None = None) -> int:
         print(cpu_table(rows))
         worst = max(abs(r["error"]) for r in rows)
         print(f"\nworst |error| {worst:.2%} over {len(rows)} steps (real step: MemTracker)")
-        print("\n| ZeRO stage (Llama-3-8B, 8 GPUs) | traced GB | ZeRO paper GB | error |")
-        print("|---|---:|---:|---:|")
+        print(
+            "\n| ZeRO stage (Llama-3-8B, 8 GPUs) | traced GB | ZeRO paper GB | error "
+            "| DeepSpeed estimator GB |"
+        )
+        print("|---|---:|---:|---:|---:|")
         for z in zero:
+            ds = "n/a" if z["deepspeed_gb"] is None else f"{z['deepspeed_gb']:.2f}"
             print(
-                f"| {z['stage']} | {z['traced_gb']:.2f} | {z['paper_gb']:.2f} | {z['error']:+.2%} |"
+                f"| {z['stage']} | {z['traced_gb']:.2f} | {z['paper_gb']:.2f} | {z['error']:+.2%} "
+                f"| {ds} |"
             )
         meta = {"torch": torch.__version__, "transformers": transformers.__version__}
         with open(args.out, "w") as fh:

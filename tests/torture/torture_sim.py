@@ -24,12 +24,14 @@ import torch
 from torture_checks import N_FROZEN, N_W, Checks
 from torture_faults import KINDS, FaultPlan, count, damage_in_place, flip_bit
 from torture_known import record_hit, tolerated
+from torture_nodes import NodeOps, run_generation
 from torture_oracle import (
     Violation,
     ViolationError,
     disk_steps,
     inspect_step,
 )
+from torture_procs import simulated_pids
 
 import flashckpt
 from flashckpt.cli import main as cli_main
@@ -71,10 +73,11 @@ class Pending:
     step: int
     handle: Any
     op: int
+    gen: int | None = None  # the run generation that saved it
 
 
 @dataclass
-class Sim(Checks):
+class Sim(NodeOps, Checks):
     base: Path
     seed: int
     plan: FaultPlan
@@ -83,11 +86,14 @@ class Sim(Checks):
     cfg: SimConfig = field(init=False)
     rng: random.Random = field(init=False)
     root: Path = field(init=False)
-    mem: Path | None = field(init=False)
+    mem: Path | None = field(init=False)  # the memory tier of the node the run is on
+    nodes: list[Path] = field(init=False)  # every node's memory tier (requeue: torture_nodes)
     ckpt: Any = None
+    run_gen: int | None = None  # the open Checkpointer's run generation (ROOT/generation)
+    pids: Any = None  # torture_procs.SimPids: a real pid per simulated process
     state: dict[str, Any] = field(default_factory=dict)
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    outcome: dict[int, str] = field(default_factory=dict)  # ok / failed / unknown
+    records: dict[int, dict[int | None, dict[str, Any]]] = field(default_factory=dict)
+    outcome: dict[tuple[int, int | None], str] = field(default_factory=dict)
     committed: dict[str, dict[int, int]] = field(default_factory=dict)  # tier -> step -> op
     pending: list[Pending] = field(default_factory=list)
     delivered: list[BaseException] = field(default_factory=list)  # errors we have observed
@@ -101,7 +107,8 @@ class Sim(Checks):
         self.cfg = SimConfig.from_seed(self.seed)
         self.rng = random.Random(self.seed)
         self.root = self.base / "root"
-        self.mem = self.base / "mem" if self.cfg.memory else None
+        self.nodes = [self.base / f"node{i}-mem" for i in range(2)] if self.cfg.memory else []
+        self.mem = self.nodes[0] if self.nodes else None
         g = torch.Generator().manual_seed(self.seed)
         self.state = {
             "w": torch.randn(N_W, generator=g),
@@ -140,7 +147,7 @@ class Sim(Checks):
         )
 
     def open(self) -> Any:
-        return flashckpt.Checkpointer(
+        ckpt = flashckpt.Checkpointer(
             self.root,
             async_save=self.cfg.async_save,
             incremental=self.cfg.incremental,
@@ -155,6 +162,8 @@ class Sim(Checks):
             keep_memory_after_close=True,  # the oracle expects each tier's retention only
             promotion=Promotion(retries=2, workers=2, backoff_s=0.0, max_backoff_s=0.0),
         )
+        self.run_gen = run_generation(self.root)
+        return ckpt
 
     def fault_mix(self) -> dict[str, float]:
         r = self.rng.random()
@@ -165,19 +174,29 @@ class Sim(Checks):
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> None:
-        try:
-            for i in range(self.ops):
-                self.op = i
-                self.step_once()
-        except _KnownBug:
-            pass
-        finally:
-            self.plan.begin_op(self.op + 1, {})
-            self.shutdown()
+        with simulated_pids(self.plan) as self.pids:
+            self.pids.start(self.plan.generation)
+            try:
+                for i in range(self.ops):
+                    self.op = i
+                    self.step_once()
+            except _KnownBug:
+                pass
+            finally:
+                self.plan.begin_op(self.op + 1, {})
+                self.shutdown()
+
+    def next_process(self) -> None:
+        """Whatever runs next is another process: a new generation of backends, its own pid."""
+        self.pids.end(self.plan.generation)
+        self.plan.generation += 1
+        self.pids.start(self.plan.generation)
 
     def step_once(self) -> None:
         name, fn = self.choose()
         rates = self.fault_mix() if name not in ("vanish", "rot", "inplace") else {}
+        if name == "requeue" and self.rng.random() < 0.5:
+            rates = {}  # half the requeues restore without faults: the lineage checks are exact
         self.log.append(f"op {self.op}: {name} faults={rates or 'none'}")
         self.plan.begin_op(self.op, rates)
         count("ops")
@@ -199,6 +218,7 @@ class Sim(Checks):
                 ("vanish", 0.3, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
                 ("inplace", 0.4, self.op_inplace),
+                ("requeue", 1.5 if self.nodes else 0, self.op_requeue),
             ]
         else:
             table = [
@@ -213,6 +233,8 @@ class Sim(Checks):
                 ("vanish", 0.25, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
                 ("inplace", 0.5, self.op_inplace),
+                ("requeue", 1.0 if self.nodes else 0, self.op_requeue),
+                ("kill_after_manifest", 0.6, self.op_kill_after_manifest),
             ]
         if not self.faults:  # no harness-made damage either
             table = [t for t in table if t[0] not in ("vanish", "rot", "inplace")]
@@ -227,7 +249,10 @@ class Sim(Checks):
             w[c * 4096 : (c + 1) * 4096] += 1.0
         if self.rng.random() < 0.5:
             self.state["b"][f"b{self.rng.randrange(24)}"] += 1.0
+        # the run's own mark (requeue: two runs' copies of one step number must differ)
+        w[0] = float(self.run_gen or 0)
         self.state["meta"] = {"step": step, "tag": f"t{self.rng.randrange(1000)}"}
+        self.state["meta"]["run"] = self.run_gen
 
     def snapshot(self) -> dict[str, Any]:
         s = self.state
@@ -242,16 +267,18 @@ class Sim(Checks):
         step = self.next_step
         self.next_step += self.rng.randint(1, 3)
         self.mutate(step)
-        self.records[step] = self.snapshot()
+        if any(g != self.run_gen for g in self.records.get(step, {})):
+            count("sim.step_saved_again_by_another_run")
+        self.records.setdefault(step, {})[self.run_gen] = self.snapshot()
         try:
             handle = self.ckpt.save(step, self.state)
         except flashckpt.FlashCkptError as exc:
-            self.outcome[step] = "failed"
+            self.outcome[(step, self.run_gen)] = "failed"
             self.check_stale_error(exc)
             return False
         except Exception as exc:
             self.fail("non_flashckpt_error", f"save({step}) raised {type(exc).__name__}: {exc}")
-        self.pending.append(Pending(step=step, handle=handle, op=self.op))
+        self.pending.append(Pending(step=step, handle=handle, op=self.op, gen=self.run_gen))
         # an async save may stay in flight during the next operation
         return self.cfg.async_save and self.rng.random() < 0.4
 
@@ -290,7 +317,7 @@ class Sim(Checks):
             with contextlib.suppress(BaseException):
                 p.handle.durable.exception(timeout=60)
         self.plan.kill(gen, after=0)
-        self.plan.generation += 1  # whatever runs next is another process
+        self.next_process()  # whatever runs next is another process
         self.resolve_pending(crashed=True)
         ckpt, self.ckpt = self.ckpt, None
         with contextlib.suppress(BaseException):
@@ -299,7 +326,7 @@ class Sim(Checks):
         count("sim.crashes")
 
     def op_reopen(self, clean: bool) -> None:
-        self.plan.generation += 1
+        self.next_process()
         try:
             self.ckpt = self.open()
         except flashckpt.LockedError as exc:

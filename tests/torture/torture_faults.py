@@ -28,6 +28,8 @@ excuses only the steps committed before it (issue 27: no later save may reuse th
 A *generation* is one simulated process: every backend created while ``plan.generation == g``
 belongs to ``g``. ``plan.kill(g, after=n)`` makes generation ``g`` die after ``n`` more calls:
 from then on its writes and reads fail and its deletes do nothing, as if the process were gone.
+``plan.kill_after_manifest(g, tier)`` makes it die right after its next step manifest in ``tier``
+is published (before the save can report).
 """
 
 from __future__ import annotations

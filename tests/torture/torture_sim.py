@@ -4,8 +4,11 @@ One trial = one seed: a configuration (sync/async, memory tier or not, retention
 incremental on/off) and a sequence of operations — save, restore, restore(step=), close,
 re-open, simulated crash (the process's I/O stops at a random call, then it is abandoned),
 ``flashckpt gc`` / ``verify`` / ``ls`` (the CLI, in process), a vanishing directory, a rotted
-chunk, a chunk damaged in place at its size (``inplace``: later steps must not reuse it) —
-each run with a seeded fault mix (or none) and followed by the oracle's checks.
+chunk, a chunk damaged in place at its size (``inplace``: later steps must not reuse it), a
+``requeue`` onto another node or back onto one where an earlier attempt died, a
+``kill_after_manifest`` (torture_nodes.py) — each run with a seeded fault mix (or none) and
+followed by the oracle's checks. Each simulated process has a real pid of its own
+(torture_procs.py).
 """
 
 from __future__ import annotations
@@ -187,10 +190,13 @@ class Sim(NodeOps, Checks):
                 self.shutdown()
 
     def next_process(self) -> None:
-        """Whatever runs next is another process: a new generation of backends, its own pid."""
-        self.pids.end(self.plan.generation)
+        """Whatever runs next is another process: a new generation of backends, its own pid
+        (when the trial runs under torture_procs.simulated_pids, as run() does)."""
+        if self.pids is not None:
+            self.pids.end(self.plan.generation)
         self.plan.generation += 1
-        self.pids.start(self.plan.generation)
+        if self.pids is not None:
+            self.pids.start(self.plan.generation)
 
     def step_once(self) -> None:
         name, fn = self.choose()

@@ -207,6 +207,8 @@ class Checks:
             expect, _ = self.newest_valid()
             live = self.live_copies()
             wants = {s: self.wanted(s, live) for s in self.records}
+            if any((str(d), s) not in live for _, d, _ in self.tiers for s in disk_steps(d)):
+                count("checks.restore_beside_abandoned_copy")  # lineage must skip one
         tgt = self.target()
         count("checks.restore")
         try:

@@ -56,6 +56,7 @@ class SimConfig:
     keep_memory: int
     fsync: bool
     workers: int
+    promote_every: int  # Promotion(every=): some steps never leave the memory tier
 
     @classmethod
     def from_seed(cls, seed: int) -> SimConfig:
@@ -68,6 +69,7 @@ class SimConfig:
             keep_memory=r.choice((1, 2)),
             fsync=r.random() < 0.3,
             workers=r.choice((1, 2)),
+            promote_every=r.choice((1, 1, 2, 3)),
         )
 
 
@@ -163,7 +165,13 @@ class Sim(NodeOps, Checks):
             memory_tier=self.mem,
             keep_memory=self.cfg.keep_memory if self.mem is not None else None,
             keep_memory_after_close=True,  # the oracle expects each tier's retention only
-            promotion=Promotion(retries=2, workers=2, backoff_s=0.0, max_backoff_s=0.0),
+            promotion=Promotion(
+                retries=2,
+                workers=2,
+                backoff_s=0.0,
+                max_backoff_s=0.0,
+                every=self.cfg.promote_every,
+            ),
         )
         self.run_gen = run_generation(self.root)
         return ckpt

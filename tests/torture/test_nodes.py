@@ -36,7 +36,13 @@ def _own_counts() -> Iterator[None]:
 def _sim(tmp_path: Path, plan: FaultPlan, *, memory: bool) -> Sim:
     sim = Sim(base=tmp_path, seed=5, plan=plan, ops=0, faults=False)
     sim.cfg = dataclasses.replace(
-        sim.cfg, memory=memory, async_save=False, keep=3, keep_memory=3, incremental=True
+        sim.cfg,
+        memory=memory,
+        async_save=False,
+        keep=3,
+        keep_memory=3,
+        incremental=True,
+        promote_every=1,
     )
     sim.nodes = [tmp_path / "node0-mem", tmp_path / "node1-mem"] if memory else []
     sim.mem = sim.nodes[0] if memory else None

@@ -68,10 +68,12 @@ test-slow: $(STAMP)
 
 # The full torture run (tests/torture): >= 10,000 simulated operations over a fault-injecting
 # backend and >= 200 SIGKILLs of real processes; prints the counts at the end. Override the sizes
-# with FLASHCKPT_TORTURE_OPS / FLASHCKPT_TORTURE_KILLS, replay one seed with FLASHCKPT_TORTURE_SEED.
+# with FLASHCKPT_TORTURE_OPS / FLASHCKPT_TORTURE_KILLS / FLASHCKPT_TORTURE_DIST_RUNS (runs of the
+# 2-rank distributed torture), replay one seed with FLASHCKPT_TORTURE_SEED.
 torture: $(STAMP)
 	FLASHCKPT_TORTURE_OPS=$${FLASHCKPT_TORTURE_OPS:-10000} \
 	FLASHCKPT_TORTURE_KILLS=$${FLASHCKPT_TORTURE_KILLS:-200} \
+	FLASHCKPT_TORTURE_DIST_RUNS=$${FLASHCKPT_TORTURE_DIST_RUNS:-40} \
 	$(BIN)/python -m pytest -q -W ignore::RuntimeWarning -W ignore::UserWarning tests/torture
 
 bench: $(STAMP)

@@ -5,6 +5,8 @@
 * ``FLASHCKPT_TORTURE_OPS``: simulated operations in all (split into trials of 40 ops, one seed
   per trial; default 240);
 * ``FLASHCKPT_TORTURE_KILLS``: SIGKILLs of real processes in all (default 10);
+* ``FLASHCKPT_TORTURE_DIST_RUNS``: runs of the 2-rank distributed torture in all (split into
+  sessions of 4 runs, one seed per session; default 4);
 * ``FLASHCKPT_TORTURE_SEED``: run only this seed (the reproduction command a failure prints);
 * ``FLASHCKPT_TORTURE_STRICT=1``: fail on the bugs listed in ``torture_known.py`` too.
 """
@@ -15,6 +17,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from torture_dist import RUNS_PER_SESSION
 from torture_faults import STATS
 from torture_kill import KILLS_PER_SESSION, ForkServer
 from torture_known import HITS
@@ -40,6 +43,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kill_seed" in metafunc.fixturenames:
         ss = seeds(_int("FLASHCKPT_TORTURE_KILLS", 10), KILLS_PER_SESSION)
         metafunc.parametrize("kill_seed", ss, ids=[f"kill-{s}" for s in ss])
+    if "dist_seed" in metafunc.fixturenames:
+        ss = seeds(_int("FLASHCKPT_TORTURE_DIST_RUNS", 4), RUNS_PER_SESSION)
+        metafunc.parametrize("dist_seed", ss, ids=[f"dist-{s}" for s in ss])
 
 
 @pytest.fixture(scope="session")

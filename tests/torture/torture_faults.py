@@ -28,6 +28,8 @@ excuses only the steps committed before it (issue 27: no later save may reuse th
 A *generation* is one simulated process: every backend created while ``plan.generation == g``
 belongs to ``g``. ``plan.kill(g, after=n)`` makes generation ``g`` die after ``n`` more calls:
 from then on its writes and reads fail and its deletes do nothing, as if the process were gone.
+``plan.kill_after_manifest(g, tier)`` makes it die right after its next step manifest in ``tier``
+is published (before the save can report).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -58,6 +61,8 @@ KINDS = (
     "bitflip",
     "slow",
 )
+
+MANIFEST_RE = re.compile(r"steps/\d{12}\.json")  # a step's manifest (not a rank's part)
 
 # counts over the whole pytest session, printed by conftest.py at the end
 STATS: Counter[str] = Counter()
@@ -90,6 +95,7 @@ class FaultPlan:
     sabotage: Any = None  # test hook: called as sabotage(method, backend, path) before a call
     _calls: Counter[tuple[str, str]] = field(default_factory=Counter)
     _dead: dict[int, int] = field(default_factory=dict)  # generation -> calls left
+    _die_after_manifest: dict[int, str] = field(default_factory=dict)  # generation -> tier
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin_op(self, op: int, rates: dict[str, float]) -> None:
@@ -111,6 +117,24 @@ class FaultPlan:
     def kill(self, generation: int, *, after: int = 0) -> None:
         with self._lock:
             self._dead[generation] = after
+
+    def kill_after_manifest(self, generation: int, tier: Path) -> None:
+        """Generation ``generation`` dies right after its next manifest in ``tier`` is
+        published (the rename done, before anything else: the save has not reported)."""
+        with self._lock:
+            self._die_after_manifest[generation] = os.path.realpath(tier)
+
+    def published(self, backend: LocalBackend, path: str) -> None:
+        gen = getattr(backend, "_torture_gen", None)
+        with self._lock:
+            where = self._die_after_manifest.get(gen)  # type: ignore[arg-type]
+            if where is None or not MANIFEST_RE.fullmatch(path):
+                return
+            if os.path.realpath(backend.root) != where:
+                return
+            del self._die_after_manifest[gen]  # type: ignore[arg-type]
+            self._dead[gen] = 0  # type: ignore[index]
+        count("sim.killed_after_manifest")
 
     def is_dead(self, generation: int) -> bool:
         with self._lock:
@@ -201,6 +225,7 @@ def _put(self: LocalBackend, path: str, parts: Any) -> int:
         plan.taint("torn", self.root, path)
         raise _err("write", self, path, errno.EIO, "injected torn write")
     n = int(_ORIG["put"](self, path, parts))
+    plan.published(self, path)
     if path.startswith("chunks/") and n > 0 and plan.draw("bitflip", "put", path):
         flip_bit(self.root / path, plan.rng("bitflip", path))
         plan.taint("bitflip", self.root, path)

@@ -168,6 +168,9 @@ class KillSession:
         if exit_after >= 0:
             self.exit_trial(i, worker_seed, exit_after)
             return
+        if self.rng.random() < 0.2:
+            self.manifest_trial(i, worker_seed, self.rng.randint(1, 6))
+            return
         self.log.append(f"kill {i}: worker seed {worker_seed}, delay {delay:.3f}s, gc {also_gc}")
         assert self.server is not None
         out = self.base / f"worker-{i}.log"
@@ -234,6 +237,34 @@ class KillSession:
         if "Traceback" in text or failed:
             why = failed[-1].get("error") if failed else text[-600:]
             self.fail("exit_with_save_in_flight", f"ending with a save in flight: {why}")
+        self.check_after_kill()
+
+    def manifest_trial(self, i: int, worker_seed: int, nth: int) -> None:
+        """The worker SIGKILLs itself right after its ``nth`` step manifest lands in the memory
+        tier, before that save reports: the step's outcome is unknown (it may be restored,
+        then bitwise the training state of that step), and no step reported durable is lost."""
+        assert self.server is not None
+        self.log.append(f"manifest {i}: worker seed {worker_seed}, dies after manifest {nth}")
+        out = self.base / f"worker-{i}.log"
+        args = (str(worker_seed), "-1", "0", "0", str(nth))
+        pid = self.server.spawn("worker", out, str(self.root), str(self.mem), *args)
+        deadline = time.monotonic() + 180
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if alive(pid):
+            sigkill(pid)
+            self.fail("worker_stuck", f"no manifest {nth} after 180 s: {out.read_text()[-800:]}")
+            return
+        text = out.read_text() if out.exists() else ""
+        if "killed after the manifest" not in text or "Traceback" in text:
+            self.fail("worker_error", f"the worker did not die after a manifest: {text[-2000:]}")
+            return
+        count("kills")
+        count("kills.after_manifest")
+        steps = [int(x.split()[1]) for x in text.splitlines() if x.startswith("durable")]
+        if steps:
+            self.durable = max([*steps, *([self.durable] if self.durable is not None else [])])
+        self.log.append(f"  {text.splitlines()[-1]}; newest durable {self.durable}")
         self.check_after_kill()
 
     def events(self, pid: int) -> list[dict[str, Any]]:

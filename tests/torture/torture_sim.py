@@ -4,17 +4,18 @@ One trial = one seed: a configuration (sync/async, memory tier or not, retention
 incremental on/off) and a sequence of operations — save, restore, restore(step=), close,
 re-open, simulated crash (the process's I/O stops at a random call, then it is abandoned),
 ``flashckpt gc`` / ``verify`` / ``ls`` (the CLI, in process), a vanishing directory, a rotted
-chunk, a chunk damaged in place at its size (``inplace``: later steps must not reuse it) —
-each run with a seeded fault mix (or none) and followed by the oracle's checks.
+chunk, a chunk damaged in place at its size (``inplace``: later steps must not reuse it), a
+``requeue`` onto another node or back onto one where an earlier attempt died, a
+``kill_after_manifest`` (torture_nodes.py) — each run with a seeded fault mix (or none) and
+followed by the oracle's checks. Each simulated process has a real pid of its own
+(torture_procs.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import random
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,17 +23,18 @@ from typing import Any
 
 import torch
 from torture_checks import N_FROZEN, N_W, Checks
+from torture_cliops import CliOps
 from torture_faults import KINDS, FaultPlan, count, damage_in_place, flip_bit
 from torture_known import record_hit, tolerated
+from torture_nodes import NodeOps, run_generation
 from torture_oracle import (
     Violation,
     ViolationError,
     disk_steps,
-    inspect_step,
 )
+from torture_procs import simulated_pids
 
 import flashckpt
-from flashckpt.cli import main as cli_main
 from flashckpt.engine.tiers.promote import Promotion
 
 OPS_PER_TRIAL = 40
@@ -51,6 +53,7 @@ class SimConfig:
     keep_memory: int
     fsync: bool
     workers: int
+    promote_every: int  # Promotion(every=): some steps never leave the memory tier
 
     @classmethod
     def from_seed(cls, seed: int) -> SimConfig:
@@ -63,6 +66,7 @@ class SimConfig:
             keep_memory=r.choice((1, 2)),
             fsync=r.random() < 0.3,
             workers=r.choice((1, 2)),
+            promote_every=r.choice((1, 1, 2, 3)),
         )
 
 
@@ -71,10 +75,11 @@ class Pending:
     step: int
     handle: Any
     op: int
+    gen: int | None = None  # the run generation that saved it
 
 
 @dataclass
-class Sim(Checks):
+class Sim(NodeOps, CliOps, Checks):
     base: Path
     seed: int
     plan: FaultPlan
@@ -83,11 +88,14 @@ class Sim(Checks):
     cfg: SimConfig = field(init=False)
     rng: random.Random = field(init=False)
     root: Path = field(init=False)
-    mem: Path | None = field(init=False)
+    mem: Path | None = field(init=False)  # the memory tier of the node the run is on
+    nodes: list[Path] = field(init=False)  # every node's memory tier (requeue: torture_nodes)
     ckpt: Any = None
+    run_gen: int | None = None  # the open Checkpointer's run generation (ROOT/generation)
+    pids: Any = None  # torture_procs.SimPids: a real pid per simulated process
     state: dict[str, Any] = field(default_factory=dict)
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    outcome: dict[int, str] = field(default_factory=dict)  # ok / failed / unknown
+    records: dict[int, dict[int | None, dict[str, Any]]] = field(default_factory=dict)
+    outcome: dict[tuple[int, int | None], str] = field(default_factory=dict)
     committed: dict[str, dict[int, int]] = field(default_factory=dict)  # tier -> step -> op
     pending: list[Pending] = field(default_factory=list)
     delivered: list[BaseException] = field(default_factory=list)  # errors we have observed
@@ -101,7 +109,8 @@ class Sim(Checks):
         self.cfg = SimConfig.from_seed(self.seed)
         self.rng = random.Random(self.seed)
         self.root = self.base / "root"
-        self.mem = self.base / "mem" if self.cfg.memory else None
+        self.nodes = [self.base / f"node{i}-mem" for i in range(2)] if self.cfg.memory else []
+        self.mem = self.nodes[0] if self.nodes else None
         g = torch.Generator().manual_seed(self.seed)
         self.state = {
             "w": torch.randn(N_W, generator=g),
@@ -140,7 +149,7 @@ class Sim(Checks):
         )
 
     def open(self) -> Any:
-        return flashckpt.Checkpointer(
+        ckpt = flashckpt.Checkpointer(
             self.root,
             async_save=self.cfg.async_save,
             incremental=self.cfg.incremental,
@@ -153,8 +162,16 @@ class Sim(Checks):
             memory_tier=self.mem,
             keep_memory=self.cfg.keep_memory if self.mem is not None else None,
             keep_memory_after_close=True,  # the oracle expects each tier's retention only
-            promotion=Promotion(retries=2, workers=2, backoff_s=0.0, max_backoff_s=0.0),
+            promotion=Promotion(
+                retries=2,
+                workers=2,
+                backoff_s=0.0,
+                max_backoff_s=0.0,
+                every=self.cfg.promote_every,
+            ),
         )
+        self.run_gen = run_generation(self.root)
+        return ckpt
 
     def fault_mix(self) -> dict[str, float]:
         r = self.rng.random()
@@ -165,19 +182,32 @@ class Sim(Checks):
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> None:
-        try:
-            for i in range(self.ops):
-                self.op = i
-                self.step_once()
-        except _KnownBug:
-            pass
-        finally:
-            self.plan.begin_op(self.op + 1, {})
-            self.shutdown()
+        with simulated_pids(self.plan) as self.pids:
+            self.pids.start(self.plan.generation)
+            try:
+                for i in range(self.ops):
+                    self.op = i
+                    self.step_once()
+            except _KnownBug:
+                pass
+            finally:
+                self.plan.begin_op(self.op + 1, {})
+                self.shutdown()
+
+    def next_process(self) -> None:
+        """Whatever runs next is another process: a new generation of backends, its own pid
+        (when the trial runs under torture_procs.simulated_pids, as run() does)."""
+        if self.pids is not None:
+            self.pids.end(self.plan.generation)
+        self.plan.generation += 1
+        if self.pids is not None:
+            self.pids.start(self.plan.generation)
 
     def step_once(self) -> None:
         name, fn = self.choose()
         rates = self.fault_mix() if name not in ("vanish", "rot", "inplace") else {}
+        if name == "requeue" and self.rng.random() < 0.5:
+            rates = {}  # half the requeues restore without faults: the lineage checks are exact
         self.log.append(f"op {self.op}: {name} faults={rates or 'none'}")
         self.plan.begin_op(self.op, rates)
         count("ops")
@@ -199,6 +229,7 @@ class Sim(Checks):
                 ("vanish", 0.3, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
                 ("inplace", 0.4, self.op_inplace),
+                ("requeue", 1.5 if self.nodes else 0, self.op_requeue),
             ]
         else:
             table = [
@@ -213,6 +244,8 @@ class Sim(Checks):
                 ("vanish", 0.25, self.op_vanish),
                 ("rot", 0.3, self.op_rot),
                 ("inplace", 0.5, self.op_inplace),
+                ("requeue", 1.0 if self.nodes else 0, self.op_requeue),
+                ("kill_after_manifest", 0.6, self.op_kill_after_manifest),
             ]
         if not self.faults:  # no harness-made damage either
             table = [t for t in table if t[0] not in ("vanish", "rot", "inplace")]
@@ -227,7 +260,10 @@ class Sim(Checks):
             w[c * 4096 : (c + 1) * 4096] += 1.0
         if self.rng.random() < 0.5:
             self.state["b"][f"b{self.rng.randrange(24)}"] += 1.0
+        # the run's own mark (requeue: two runs' copies of one step number must differ)
+        w[0] = float(self.run_gen or 0)
         self.state["meta"] = {"step": step, "tag": f"t{self.rng.randrange(1000)}"}
+        self.state["meta"]["run"] = self.run_gen
 
     def snapshot(self) -> dict[str, Any]:
         s = self.state
@@ -242,16 +278,18 @@ class Sim(Checks):
         step = self.next_step
         self.next_step += self.rng.randint(1, 3)
         self.mutate(step)
-        self.records[step] = self.snapshot()
+        if any(g != self.run_gen for g in self.records.get(step, {})):
+            count("sim.step_saved_again_by_another_run")
+        self.records.setdefault(step, {})[self.run_gen] = self.snapshot()
         try:
             handle = self.ckpt.save(step, self.state)
         except flashckpt.FlashCkptError as exc:
-            self.outcome[step] = "failed"
+            self.outcome[(step, self.run_gen)] = "failed"
             self.check_stale_error(exc)
             return False
         except Exception as exc:
             self.fail("non_flashckpt_error", f"save({step}) raised {type(exc).__name__}: {exc}")
-        self.pending.append(Pending(step=step, handle=handle, op=self.op))
+        self.pending.append(Pending(step=step, handle=handle, op=self.op, gen=self.run_gen))
         # an async save may stay in flight during the next operation
         return self.cfg.async_save and self.rng.random() < 0.4
 
@@ -290,7 +328,7 @@ class Sim(Checks):
             with contextlib.suppress(BaseException):
                 p.handle.durable.exception(timeout=60)
         self.plan.kill(gen, after=0)
-        self.plan.generation += 1  # whatever runs next is another process
+        self.next_process()  # whatever runs next is another process
         self.resolve_pending(crashed=True)
         ckpt, self.ckpt = self.ckpt, None
         with contextlib.suppress(BaseException):
@@ -299,7 +337,7 @@ class Sim(Checks):
         count("sim.crashes")
 
     def op_reopen(self, clean: bool) -> None:
-        self.plan.generation += 1
+        self.next_process()
         try:
             self.ckpt = self.open()
         except flashckpt.LockedError as exc:
@@ -309,91 +347,6 @@ class Sim(Checks):
             pass
         except Exception as exc:
             self.fail("non_flashckpt_error", f"Checkpointer() raised {type(exc).__name__}: {exc}")
-
-    def cli(self, *args: str) -> tuple[int, str]:
-        """``flashckpt ARGS`` in this process, as another process would run it. Run on a
-        thread: if it waits for the open Checkpointer (a gc that waits for the root's
-        writers), that writer is closed so it can go on."""
-        out = io.StringIO()
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                    result["rc"] = cli_main(list(args))
-            except Exception as exc:
-                result["exc"] = exc
-
-        gen, self.plan.generation = self.plan.generation, -1 - self.op  # its own process
-        try:
-            thread = threading.Thread(target=run, name="torture-cli", daemon=True)
-            thread.start()
-            thread.join(10)
-            if thread.is_alive() and self.ckpt is not None:
-                count("cli.waited_for_writer")
-                self.log.append(f"  flashckpt {args[0]} waits for the open Checkpointer: close it")
-                self.op_close(clean=True)
-            thread.join(120)
-        finally:
-            self.plan.generation = gen
-        if thread.is_alive():
-            self.fail("cli_hang", f"flashckpt {args} still running after 130 s", fatal=True)
-        if "exc" in result:
-            exc = result["exc"]
-            self.fail("non_flashckpt_error", f"flashckpt {args} raised {exc!r}", fatal=True)
-        return int(result.get("rc", 2)), out.getvalue()
-
-    def op_gc(self, clean: bool) -> None:
-        tiers = [d for _, d, _ in self.tiers if (d / "steps").is_dir()]
-        if not tiers:
-            return
-        target = self.rng.choice(tiers)
-        rc, text = self.cli("gc", str(target))
-        count("cli.gc")
-        if rc not in (0, 2):
-            self.fail("cli_exit", f"flashckpt gc {target} exited {rc}: {text}")
-        if clean and self.ckpt is None and rc != 0 and not self.unreadable_manifest(target):
-            self.fail("gc_refused_while_idle", f"flashckpt gc {target} exited {rc}: {text}")
-
-    def unreadable_manifest(self, tier: Path) -> bool:
-        """A torn manifest (left by a torn write) makes a fail-closed gc refuse: allowed."""
-        with self.plan.off():
-            return any(not inspect_step(tier, s).manifest_ok for s in disk_steps(tier))
-
-    def op_verify(self, clean: bool) -> None:
-        if not (self.root / "steps").is_dir():
-            return
-        self.quiesce()
-        with self.plan.off():  # verify reads every tier a restore reads (issue 27)
-            truths = [inspect_step(d, s) for _, d, _ in self.tiers for s in disk_steps(d)]
-        rc, text = self.cli("verify", str(self.root))
-        count("cli.verify")
-        damaged = [t.step for t in truths if not t.intact]
-        if rc == 0 and damaged:
-            self.fail("verify_missed_damage", f"verify said ok; damaged steps {damaged}")
-        if clean and rc == 1 and not damaged:
-            self.fail("false_damage", f"verify reported damage, every step is intact: {text}")
-        if rc not in (0, 1, 2) or (clean and rc == 2 and truths):
-            self.fail("cli_exit", f"flashckpt verify exited {rc}: {text}")
-
-    def op_ls(self, clean: bool) -> None:
-        if not (self.root / "steps").is_dir() and not (self.root / "tiers.json").exists():
-            return
-        self.quiesce()
-        rc, text = self.cli("ls", str(self.root))
-        count("cli.ls")
-        if rc not in (0, 2) or (clean and rc != 0):
-            self.fail("cli_exit", f"flashckpt ls exited {rc}: {text}")
-        if not clean:
-            return
-        with self.plan.off():
-            for line in text.splitlines():
-                if "DAMAGED" not in line:
-                    continue
-                step = int(line.split()[0])
-                tiers = [d for _, d, _ in self.tiers if step in disk_steps(d)]
-                if tiers and inspect_step(tiers[0], step).manifest_ok:
-                    self.fail("false_damage", f"ls says step {step} is damaged: {line}")
 
     def op_vanish(self, clean: bool) -> None:
         self.quiesce()

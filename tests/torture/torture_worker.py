@@ -14,6 +14,9 @@ SIGKILLs the children itself. Modes:
     run (see :mod:`torture_reader`).
 ``gc ROOT MEM``  ``flashckpt gc`` on both in a loop.
 
+``worker ROOT MEM SEED -1 0 0 K`` SIGKILLs itself right after the K-th step manifest it
+publishes in MEM, before that save reports (a kill after the manifest).
+
 ``worker ROOT MEM SEED N`` with N >= 0 leaves the loop after N saves without ``close()`` and
 ends like a script whose last line was ``save()`` (exit safety).
 """
@@ -32,20 +35,33 @@ import traceback
 
 import torch
 import torture_reader
+from torture_faults import MANIFEST_RE
 from torture_model import build, train_step
 
 import flashckpt
 from flashckpt.engine.tiers.promote import Promotion
 from flashckpt.store.files.backend import LocalBackend
 
+MEMORY = [""]  # the worker's memory tier (realpath)
 
-def slow_io(seed: int, put_delay_s: float = 0.0) -> None:
+
+def slow_io(seed: int, put_delay_s: float = 0.0, die_after_manifest: int = 0) -> None:
+    """Seeded delays on every write and delete; with ``die_after_manifest`` N > 0 the process
+    SIGKILLs itself right after the N-th manifest of a step lands in the memory tier (its
+    rename done, before the save reports: a kill after the manifest)."""
     rng = random.Random(seed)
     put, delete = LocalBackend.put, LocalBackend.delete
+    left = [die_after_manifest]
 
     def slow_put(self: LocalBackend, path: str, parts: object) -> int:
         time.sleep(put_delay_s + rng.uniform(0.0, 0.004))
-        return put(self, path, parts)  # type: ignore[arg-type]
+        n = put(self, path, parts)  # type: ignore[arg-type]
+        if left[0] > 0 and MANIFEST_RE.fullmatch(path) and os.path.realpath(self.root) == MEMORY[0]:
+            left[0] -= 1
+            if left[0] == 0:
+                print(f"killed after the manifest {path}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return n
 
     def slow_delete(self: LocalBackend, path: str) -> None:
         time.sleep(rng.uniform(0.0, 0.002))
@@ -91,6 +107,7 @@ def worker(
     exit_after: str = "-1",
     put_delay_ms: str = "0",
     big_mib: str = "0",
+    die_after_manifest: str = "0",
 ) -> int:
     """Train and save until killed or, with ``exit_after`` >= 0, until that many saves were
     started: then leave without close() with the last save in flight, as a script that ends
@@ -98,7 +115,8 @@ def worker(
     ``big_mib`` adds a tensor of that size to the state (staging it takes long enough for the
     script to end first)."""
     seed = int(seed_text)
-    slow_io(seed, int(put_delay_ms) / 1000)
+    MEMORY[0] = os.path.realpath(mem)
+    slow_io(seed, int(put_delay_ms) / 1000, int(die_after_manifest))
     ckpt = open_ckpt(root, mem, seed)
     state = build()
     if int(big_mib):

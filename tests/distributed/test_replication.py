@@ -53,7 +53,8 @@ def save_steps(rank: int, world: int, node: int, root: str, steps: list[int]) ->
     import torch
 
     model = _model(0)
-    with _open(root, keep_memory=2) as ck:
+    # the test reads the node tiers after close: keep them (a clean close empties them)
+    with _open(root, keep_memory=2, keep_memory_after_close=True) as ck:
         for step in steps:
             with torch.no_grad():
                 model[step % 4].weight.add_(1.0)

@@ -124,10 +124,15 @@ class Checks:
                     seen.setdefault(s, self.op)
             # the retention window counts every manifest the library lists (a torn one too)
             window = sorted(set(seen) | set(disk_steps(d)))[-keep:]
+            damaged_seen = self.__dict__.setdefault("damaged_seen", set())
             for s in (x for x in window if x in seen):
                 truth = inspect_step(d, s)
                 if excused(truth, d, seen[s], taints):
+                    if truth.present and not (truth.intact and truth.manifest_ok):
+                        damaged_seen.add((str(d), s))
                     continue
+                if not truth.present and (str(d), s) in damaged_seen:
+                    continue  # damage the harness caused: a later save may replace the step
                 if not truth.present and (str(d), s) not in self.live_copies():
                     continue  # abandoned: a restore removed it (it still counted for retention)
                 elif not truth.present:

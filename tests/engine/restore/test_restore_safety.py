@@ -188,3 +188,43 @@ def test_newest_step_deleted_while_read_falls_back_without_calling_it_damaged() 
         )
     assert got == 5 and loaded == [5]
     assert attempt.damaged == set()
+
+
+def test_regression_an_eio_at_restore_is_not_damage_and_never_lets_a_save_delete_the_step(
+    tmp_path, monkeypatch
+):
+    """Torture seed 154: an EIO while a restore checked step 2's chunks called the step damaged,
+    so the next save(2) deleted its intact copy first (``damaged_step_replaced``), and when that
+    save failed the step was gone. A device error says nothing about the bytes: the step is
+    skipped for now, stays as it is, and restores once the device answers again."""
+    import errno
+
+    from flashckpt.errors import StorageError
+    from flashckpt.store.files.backend import LocalBackend
+
+    with flashckpt.Checkpointer(tmp_path, chunk_size="64KiB") as ck:
+        ck.save(1, _state(1.0))
+        ck.save(2, _state(2.0))
+    real = LocalBackend.size
+
+    def flaky(self, path):
+        if path.startswith("chunks/"):
+            err = StorageError(f"could not stat {path}: Input/output error")
+            err.errno = errno.EIO
+            raise err
+        return real(self, path)
+
+    target = _state(0.0)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="64KiB") as ck:
+        monkeypatch.setattr(LocalBackend, "size", flaky)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert ck.restore(target) is None  # no step readable now, and none was touched
+        monkeypatch.setattr(LocalBackend, "size", real)
+        assert torch.equal(target["a"], torch.zeros(N)), "nothing was loaded"
+        with pytest.raises(flashckpt.ConfigError, match="already committed"):
+            ck.save(2, _state(9.0))  # an intact step is never replaced
+    back = _state(0.0)
+    with flashckpt.Checkpointer(tmp_path, chunk_size="64KiB") as ck:
+        assert ck.restore(back) == 2
+    assert torch.equal(back["a"], torch.full((N,), 2.0))

@@ -21,6 +21,7 @@ from flashckpt.engine.restore.reader import read_plan
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import RestorePlan, plan_restore
+from flashckpt.store.files.safeopen import is_failure
 from flashckpt.store.format.manifest import Manifest
 from flashckpt.store.store import CheckpointStore, chunk_path
 
@@ -128,6 +129,11 @@ def check_chunks_present(store: CheckpointStore, manifest: Manifest, plan: Resto
         except FileNotFoundError:
             size, what = -1, "missing"
         except OSError as exc:  # a symlink, FIFO or directory there (never followed), or EIO
+            if is_failure(exc):  # the device failed: says nothing about the bytes (not damage)
+                raise StorageError(
+                    f"could not check chunk {ref.hash} of tensor {key!r} in step "
+                    f"{manifest.step}: {exc}"
+                ) from exc
             size, what = -1, f"unreadable ({exc})"
         expected = ref.size if ref.codec == "raw" else ref.stored_size
         if size < 0 or (expected > 0 and size != expected):

@@ -346,6 +346,7 @@ class DistRuntime:
             found = peer_source(
                 tiers=self._tiers,
                 leader=self.nodes.is_leader(self.rank),
+                node=self.nodes.node_of(self.rank),
                 channel=self.side_channel,
                 journal=journal,
                 load_tier=load_tier,

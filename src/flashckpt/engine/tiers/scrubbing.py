@@ -13,6 +13,12 @@ Damage found is journaled (``scrub_damage``: tier, chunk, steps, error, quaranti
 as a warning; the store's read quarantined the chunk, so the next save of a state holding its
 bytes writes them again. Remote tiers are not scrubbed here: each read is a billed request,
 objects are replaced whole, and their reads (restore, promotion) verify every chunk anyway.
+
+Under torch.distributed every tier is scrubbed by exactly one process (``owned``): a memory
+tier every rank shares and the disk tier by rank 0, a node-local memory tier (peer
+replication) by its node's leader, which journals its damage (the journal carries its rank);
+the other ranks of a node leave it alone. A node tier holds only its node's chunks and
+replicas: a chunk absent there is not damage (store/scrub.py ``partial``).
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ class IdleScrub:
         self.bytes_per_s = bytes_per_s
         self.journal = journal
         self._busy, self._saturated = busy, saturated
-        self._cursors = [(t, Scrubber(t.store)) for t in tiers if t.path is not None]
+        self._cursors = [
+            (t, Scrubber(t.store, partial=t.node_local)) for t in tiers if t.path is not None
+        ]
         self._next = 0
         self._quiet_since: float | None = None
 
@@ -115,10 +123,14 @@ def start_idle_scrub(
     bytes_per_s: int,
     busy: Callable[[], bool],
     saturated: Callable[[], bool],
+    owned: Callable[[Tier], bool] | None = None,
 ) -> IdleScrub | None:
-    """Hand the scrub of ``tiers``' local tiers to their promotion thread (None: it is off)."""
+    """Hand the scrub of ``tiers``' local tiers to their promotion thread (None: it is off).
+    ``owned(tier)``: whether this process is the one that scrubs ``tier`` (under
+    torch.distributed each tier has one scrubber: distributed/runtime.py ``owns``); None: all."""
+    mine = [t for t in tiers.tiers if owned is None or owned(t)]
     scrub = IdleScrub(
-        tiers.tiers, bytes_per_s=bytes_per_s, journal=tiers.journal, busy=busy, saturated=saturated
+        mine, bytes_per_s=bytes_per_s, journal=tiers.journal, busy=busy, saturated=saturated
     )
     if not scrub.enabled:
         return None

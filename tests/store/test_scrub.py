@@ -168,6 +168,21 @@ def test_the_engine_scrubs_in_idle_time_and_journals_damage(tmp_path, monkeypatc
     assert all(torch.equal(out[k], state[k]) for k in state)
 
 
+def test_the_engine_journals_what_its_scrub_read(tmp_path, monkeypatch):
+    """``scrubbed`` (tier, bytes, chunks, seconds) says how much the idle scrub verified, for
+    the report and the metrics; journaled every REPORT_S (lowered here to every step)."""
+    monkeypatch.setattr(scrubbing, "QUIET_S", 0.1)
+    monkeypatch.setattr(scrubbing, "REPORT_S", 0.0)
+    with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK, scrub_bytes_per_s="64MiB") as ckpt:
+        ckpt.save(1, _state())
+        deadline, read = time.monotonic() + 30, []
+        while time.monotonic() < deadline and sum(e["chunks"] for e in read) < 4:
+            read = [e for e in _journal(tmp_path) if e["event"] == "scrubbed"]
+            time.sleep(0.05)
+    assert {e["tier"] for e in read} == {"local"}
+    assert sum(e["chunks"] for e in read) >= 4 and sum(e["bytes"] for e in read) >= 4 * 65536
+
+
 def test_scrub_rate_zero_turns_it_off_and_bad_rates_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(scrubbing, "QUIET_S", 0.0)
     with flashckpt.Checkpointer(tmp_path / "a", chunk_size=CHUNK, scrub_bytes_per_s=0) as ckpt:

@@ -21,7 +21,7 @@ from flashckpt.store.store import CheckpointStore, chunk_path
 
 pytestmark = pytest.mark.dist
 
-WAIT_S = 20.0  # the scrub reads the whole (small) tier in its first step after QUIET_S
+WAIT_S = 30.0  # the scrub reads the whole (small) tier in its first step after QUIET_S
 
 
 def _journal(root: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,8 @@ running under torch.distributed. Event names and their fields:
 ``corrupt``          ``step``, ``tier``, ``error``
 ``scrub_damage``     ``tier``, ``chunk``, ``steps``, ``error``, ``quarantined`` (the idle scrub
                      found a committed chunk damaged: engine/tiers/scrubbing.py)
+``scrubbed``         ``tier``, ``bytes``, ``chunks``, ``seconds`` (what the idle scrub read and
+                     verified in that tier since its last ``scrubbed``, every 10 minutes)
 ``steps_lost``       ``from_step``, ``to_step``, ``steps``
 ``restart``          ``step`` (first resumed), ``restart_seconds`` (kill -> that step) = ``down_s``
                      + ``start_s`` + ``restore_s`` (null: nothing loaded) + ``first_step_s``;
@@ -46,7 +48,9 @@ running under torch.distributed. Event names and their fields:
 ``abandoned_copy``   ``step``, ``tier``, ``generation``, ``newest_generation``, ``verdict``
                      (``abandoned``/``superseded``), ``removed`` (a copy lineage says is not
                      the checkpoint: skipped by restore; removed from the writer's own memory
-                     tier, see engine/restore/lineage.py)
+                     tier, see engine/restore/lineage.py); ``node`` for a node tier (peer
+                     replication: journaled by that node's leader only,
+                     distributed/replication/nodelineage.py)
 ==================  ===========================================================================
 """
 

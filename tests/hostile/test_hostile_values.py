@@ -181,6 +181,9 @@ def test_the_fold_in_pieces_is_the_summary_of_the_whole(tmp_path):
         "governor",
         "corrupt",
         "save_skipped",
+        "scrub_damage",
+        "abandoned_copy",
+        "scrubbed",
     ]
     for seed in range(40):
         rng = random.Random(seed)
@@ -203,7 +206,11 @@ def test_the_fold_in_pieces_is_the_summary_of_the_whole(tmp_path):
                 restart_seconds=rng.uniform(0, 9),
                 last_step=rng.randrange(60),
                 steps=rng.randrange(5),
+                bytes=rng.randrange(1 << 20),
+                chunks=rng.randrange(9),
             )
+            if rng.random() < 0.3:
+                e["node"] = rng.choice(["n0", "n1"])
             events.append(e)
         fold, at = summary_mod.JournalFold(), 0
         while at < len(events):

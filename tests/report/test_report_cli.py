@@ -48,7 +48,7 @@ def test_status_text(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "goodput   78.0% · cost 0.46" in out
     assert "restart   last 1.79 min (down 400 ms · start 1.58 min · restore 12 s" in out
     assert "governor  no decision journaled" in out  # these saves were not governed
-    assert len(out.splitlines()) == 9
+    assert len(out.splitlines()) == 10
 
 
 def test_status_json_and_empty_root(

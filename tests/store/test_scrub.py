@@ -126,6 +126,23 @@ def test_scrub_calls_nothing_damage_that_retention_deleted(tmp_path):
     assert "missing" in res.damaged[0].error and not res.damaged[0].quarantined
 
 
+def test_a_partial_tier_calls_an_absent_chunk_no_damage_and_still_finds_rot(tmp_path):
+    """A node-local memory tier (peer replication) holds only its node's chunks and replicas
+    of its steps: a chunk absent there is another node's, not damage; a present one that
+    rotted is still damage."""
+    with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK, scrub_bytes_per_s=0) as ckpt:
+        ckpt.save(1, _state())
+    files = _chunk_files(tmp_path)
+    files[0].unlink()  # on another node
+    _rot(files[1])
+    store = CheckpointStore(LocalBackend(tmp_path))
+    res = Scrubber(store, partial=True).step(1 << 30)
+    assert [d.chunk for d in res.damaged] == [files[1].name]
+    assert res.checked == 3  # the absent chunk was not counted as read
+    whole = Scrubber(CheckpointStore(LocalBackend(tmp_path))).step(1 << 30)
+    assert [d.chunk for d in whole.damaged] == [files[0].name]  # a whole tier: missing
+
+
 def test_the_engine_scrubs_in_idle_time_and_journals_damage(tmp_path, monkeypatch):
     """The Checkpointer's promotion thread scrubs the disk tier when nothing else happens,
     journals ``scrub_damage`` and quarantines the chunk; the next save writes it again."""
@@ -149,6 +166,21 @@ def test_the_engine_scrubs_in_idle_time_and_journals_damage(tmp_path, monkeypatc
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ckpt.restore(out, step=2) == 2
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_the_engine_journals_what_its_scrub_read(tmp_path, monkeypatch):
+    """``scrubbed`` (tier, bytes, chunks, seconds) says how much the idle scrub verified, for
+    the report and the metrics; journaled every REPORT_S (lowered here to every step)."""
+    monkeypatch.setattr(scrubbing, "QUIET_S", 0.1)
+    monkeypatch.setattr(scrubbing, "REPORT_S", 0.0)
+    with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK, scrub_bytes_per_s="64MiB") as ckpt:
+        ckpt.save(1, _state())
+        deadline, read = time.monotonic() + 30, []
+        while time.monotonic() < deadline and sum(e["chunks"] for e in read) < 4:
+            read = [e for e in _journal(tmp_path) if e["event"] == "scrubbed"]
+            time.sleep(0.05)
+    assert {e["tier"] for e in read} == {"local"}
+    assert sum(e["chunks"] for e in read) >= 4 and sum(e["bytes"] for e in read) >= 4 * 65536
 
 
 def test_scrub_rate_zero_turns_it_off_and_bad_rates_are_refused(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ def close_tiers(
     if timeout_s is not None:
         barrier.timeout_s = max(1.0, min(barrier.timeout_s, timeout_s))
     node_local = bool(runtime.node_local and getattr(mem, "node_local", False))
-    owner = runtime.nodes.is_leader(ctx.rank) if node_local else ctx.rank == 0
+    owner = runtime.owns(mem)
     try:
         barrier.agree("ready", None)
         if owner:  # nobody writes a part now: any part left is an orphan of a killed save

@@ -156,6 +156,13 @@ class DistRuntime:
         """True when the memory tier is node-local (replication on, several nodes)."""
         return self.replication is not None and self.nodes is not None
 
+    def owns(self, tier: Any) -> bool:
+        """True on the one rank that sweeps, scrubs and empties ``tier``: its node's leader
+        for a node-local memory tier (peer replication), rank 0 for a tier every rank shares."""
+        if getattr(tier, "node_local", False) and self.nodes is not None:
+            return self.nodes.is_leader(self.rank)
+        return self.rank == 0
+
     def start(self, tiers: Any, journal: Journal) -> None:
         """After the tiers exist (``TierSet``): mark the memory tier node-local and start the
         replication thread (:mod:`flashckpt.distributed.replication.replicate`)."""
@@ -346,6 +353,7 @@ class DistRuntime:
             found = peer_source(
                 tiers=self._tiers,
                 leader=self.nodes.is_leader(self.rank),
+                node=self.nodes.node_of(self.rank),
                 channel=self.side_channel,
                 journal=journal,
                 load_tier=load_tier,

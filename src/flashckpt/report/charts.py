@@ -28,6 +28,8 @@ INCIDENTS = {
     "steps_lost": ("steps lost", "#db2777"),
     "restore": ("restore", "#10b981"),
     "restart": ("restart", "#0ea5e9"),
+    "scrub_damage": ("scrub damage", "#b45309"),  # every rank's (report/tierhealth.py)
+    "abandoned_copy": ("abandoned copy", "#64748b"),
 }
 
 
@@ -68,7 +70,18 @@ def cap_failures(s: RunSummary) -> str:
     return (
         f"{s.crashes} crash(es), {s.saves_failed} failed save(s), {s.corrupt} corrupt "
         f"checkpoint(s); {s.steps_lost} steps redone ({fmt_s(s.lost_s)}), restart gaps "
-        f"{fmt_s(s.restart_gap_s)}."
+        f"{fmt_s(s.restart_gap_s)}." + _cap_tiers(s)
+    )
+
+
+def _cap_tiers(s: RunSummary) -> str:
+    """The tiers' health (report/tierhealth.py), when the journal says anything about it."""
+    if not (s.scrub_damage or s.abandoned_copies or s.scrubbed_bytes):
+        return ""
+    return (
+        f" The idle scrub found {s.scrub_damage} damaged chunk(s) "
+        f"({fmt_bytes(s.scrubbed_bytes)} verified); {s.abandoned_copies} checkpoint copies on "
+        "an abandoned branch were skipped."
     )
 
 

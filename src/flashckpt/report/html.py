@@ -22,6 +22,7 @@ from flashckpt.report.svg import (
     esc,
     fmt_s,
 )
+from flashckpt.report.tierhealth import counted
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def build_report(
     t0 = float(evs[0]["t"])
     recs = save_records(events)
     t_end = float(evs[-1]["t"]) - t0  # timelines run to the end of the run
+    marked = _with_tier_events(evs, events)  # incidents: the timeline's and every node's tiers
     body = "".join(
         [
             _cards(summary),
@@ -69,12 +71,21 @@ def build_report(
                 ch.intervals(evs, t0, t_end),
                 ch.cap_interval(summary),
             ),
-            _fig("Failures and lost work", ch.failures(evs, t0, t_end), ch.cap_failures(summary)),
+            _fig(
+                "Failures and lost work", ch.failures(marked, t0, t_end), ch.cap_failures(summary)
+            ),
             "</div>",
-            _incidents(evs, t0),
+            _incidents(marked, t0),
         ]
     )
     return _page(heading, _subtitle(evs, summary), body)
+
+
+def _with_tier_events(evs: Sequence[Event], events: Sequence[Event]) -> list[Event]:
+    """The timeline's events (rank 0's) and the tier events of the other ranks that count
+    (a node tier's scrub damage and abandoned copies: report/tierhealth.py), by time."""
+    more = [e for e in events if e.get("rank") not in (None, 0) and counted(e)]
+    return sorted([*evs, *more], key=lambda e: float(e["t"])) if more else list(evs)
 
 
 def _page(heading: str, subtitle: str, body: str) -> str:

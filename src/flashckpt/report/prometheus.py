@@ -66,6 +66,24 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("flashckpt_restores_total", "restores", "counter", "Restores"),
     ("flashckpt_crashes_total", "crashes", "counter", "Crashes detected on restart"),
+    (
+        "flashckpt_scrub_damage_total",
+        "scrub_damage",
+        "counter",
+        "Committed chunks the idle scrub found damaged (quarantined; the next save rewrites)",
+    ),
+    (
+        "flashckpt_abandoned_copies_total",
+        "abandoned_copies",
+        "counter",
+        "Checkpoint copies on an abandoned branch (lineage), skipped by restore",
+    ),
+    (
+        "flashckpt_scrubbed_bytes_total",
+        "scrubbed_bytes",
+        "counter",
+        "Bytes at rest the idle scrub read and verified",
+    ),
     ("flashckpt_steps_lost_total", "steps_lost", "counter", "Training steps redone after crashes"),
     ("flashckpt_restarts_timed_total", "restarts_timed", "counter", "Restarts timed after crashes"),
     (

@@ -32,6 +32,7 @@ from flashckpt.policy.interval import RunSplitter
 from flashckpt.report.lost import LostFold, RestoreFold
 from flashckpt.report.restarts import restart_stats
 from flashckpt.report.saves import Event, SaveFold, SaveRecord, num
+from flashckpt.report.tierhealth import TierHealthFold
 
 __all__ = ["Event", "JournalFold", "RunSummary", "SaveRecord", "load_events", "num", "summarize"]
 
@@ -63,6 +64,10 @@ class RunSummary:
       time; steps from ``steps_lost``, else ``crash_detected.last_step`` − the next restored
       step) − ``restart_gap_s``.
 
+    Tier health (every rank's, see :mod:`flashckpt.report.tierhealth`): ``scrub_damage``
+    chunks the idle scrub found damaged, ``abandoned_copies`` checkpoint copies lineage
+    abandoned (skipped by restore), ``scrubbed_bytes`` / ``scrubbed_chunks`` the scrub verified.
+
     ``cost`` = ``wall_s``/3600 × ``gpu_hour_price`` × ``gpus``; ``wasted_cost`` is the share of it
     not spent on useful training. Both are ``None`` without a price.
 
@@ -90,6 +95,10 @@ class RunSummary:
     restore_s: float = 0.0
     crashes: int = 0
     corrupt: int = 0
+    scrub_damage: int = 0
+    abandoned_copies: int = 0
+    scrubbed_bytes: float = 0.0
+    scrubbed_chunks: int = 0
     steps_lost: int = 0
     lost_s: float = 0.0
     restart_gap_s: float = 0.0
@@ -155,6 +164,7 @@ class JournalFold:
         self.split = RunSplitter()
         self.lost = LostFold()
         self.restored = RestoreFold()
+        self.health = TierHealthFold()  # every rank's (report/tierhealth.py)
         self.step_times: list[float] = []
         self.counts = {"save_skipped": 0, "corrupt": 0}
         self.latest: dict[str, Event] = {}  # the newest interval / governor event
@@ -178,6 +188,7 @@ class JournalFold:
             if isinstance(rank, int):
                 self.ranks.add(rank)
             self.saves.add_any(e)
+            self.health.add(e)
         for e in primaries:
             self._add_primary(e)
         return self
@@ -257,6 +268,10 @@ class JournalFold:
             restore_s=restore_s,
             crashes=hist.failures,
             corrupt=self.counts["corrupt"],
+            scrub_damage=self.health.scrub_damage,
+            abandoned_copies=self.health.abandoned,
+            scrubbed_bytes=self.health.scrubbed_bytes,
+            scrubbed_chunks=self.health.scrubbed_chunks,
             steps_lost=lost_steps,
             lost_s=lost_s,
             restart_gap_s=gap_s,

@@ -55,6 +55,9 @@ def format_status(s: RunSummary, *, root: str = "") -> str:
         f"  failures  {s.crashes} crash(es), {s.corrupt} corrupt · {s.steps_lost} steps lost "
         f"({fmt_s(s.lost_s)}) · {s.restores} restore(s) ({fmt_s(s.restore_s)}) · restart gaps "
         f"{fmt_s(s.restart_gap_s)}",
+        f"  tiers     {s.scrub_damage} damaged chunk(s) found by the scrub "
+        f"({fmt_bytes(s.scrubbed_bytes)} verified) · {s.abandoned_copies} abandoned "
+        "checkpoint cop" + ("y" if s.abandoned_copies == 1 else "ies") + " skipped",
         f"  restart   {_restart(s)}",
         f"  interval  {_opt(s.interval_s)} ({s.interval_reason or 'no decision journaled'}){mtbf}",
         f"  governor  {_governor(s)}",

@@ -11,7 +11,9 @@ A good chunk is stamped again (the store's verifying read does it); a damaged on
 quarantined by that same read (:meth:`Liveness.quarantine`: moved out of ``chunks/``), so
 the next save of a state holding those bytes writes them again, and the steps that named it
 fall back at restore instead of spreading it by promotion. A chunk missing because retention
-deleted its last step meanwhile is not damage, nor is an I/O error (tried again next pass).
+deleted its last step meanwhile is not damage, nor is an I/O error (tried again next pass),
+nor a chunk absent from a tier that holds only some of its steps' chunks (``partial``: a
+node-local memory tier under peer replication holds its node's chunks and replicas).
 Each step returns what it found; the caller journals and logs it.
 
 Synchronous and stateful (the store never starts a thread): the engine calls :meth:`step`
@@ -54,8 +56,11 @@ class Scrubber:
     """A cursor over one tier's committed chunks (see the module docstring). Not thread-safe:
     one caller steps it."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, *, partial: bool = False) -> None:
         self.store = store
+        # the tier holds only some chunks of its steps (a node-local memory tier under peer
+        # replication: its node's chunks and replicas): a chunk absent there is not damage
+        self.partial = partial
         self._tried: dict[str, float] = {}  # hash -> when this scrubber last read it
         self._reported: set[str] = set()  # damage already returned once (not again each pass)
 
@@ -84,6 +89,8 @@ class Scrubber:
                 break
             ref = refs[h]
             self._tried[h] = time.monotonic()
+            if self.partial and live.before_read(ref) is None:
+                continue  # not held here (another node's chunk): nothing read
             result.checked += 1
             result.bytes += ref.stored_size if ref.stored_size > 0 else ref.size
             damage = self._check(ref)

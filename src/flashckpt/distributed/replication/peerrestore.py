@@ -41,6 +41,7 @@ from functools import partial
 from typing import Any
 
 from flashckpt.distributed.group.barrier import StoreBarrier
+from flashckpt.distributed.replication.nodelineage import drop_abandoned, not_live
 from flashckpt.distributed.replication.peerfetch import (
     FetchStats,
     broadcast_bytes,
@@ -51,9 +52,9 @@ from flashckpt.distributed.replication.peerfetch import (
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import plan_restore
-from flashckpt.store.format.lineage import LEGACY, parse_lineage
+from flashckpt.store.format.lineage import LEGACY
 from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
-from flashckpt.store.lineage import LIVE, Copy, copy_lineage, judge
+from flashckpt.store.lineage import copy_lineage
 from flashckpt.store.store import CheckpointStore, step_name
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class PeerSource:
     store: CheckpointStore
     tier: str  # tier_identity() of its directory: ranks sharing the tier report the same
     leader: bool  # this rank writes the node's manifest (the lowest rank of its node)
+    node: str = ""  # the node's name (journaled with the copies its leader removes)
     channel: Callable[[], AbstractContextManager[Any]]  # the gloo side group, while idle
     load: Callable[[int], None]  # load a step from this node's tier into the live state
     journal: Journal
@@ -87,12 +89,16 @@ class PeerSource:
     # node's tier: its node was lost before the step was replicated): handled like damaged
     # ones, so a later save of that step number replaces them (engine/save/steps.py)
     unassemblable: set[int] = field(default_factory=set)
+    # on the leader: delete steps from the node tier (copies lineage abandoned, removed after
+    # every rank posted: distributed/replication/nodelineage.py); None: journal them only
+    drop: Callable[[list[int]], None] | None = None
 
 
 def peer_source(
     *,
     tiers: Any,
     leader: bool,
+    node: str = "",
     channel: Callable[[], AbstractContextManager[Any]],
     journal: Journal,
     load_tier: Callable[[int, Any], None],
@@ -110,11 +116,13 @@ def peer_source(
         store=mem.store,
         tier=tier_identity(mem.path),
         leader=leader,
+        node=node,
         channel=channel,
         load=lambda s: load_tier(s, mem),
         journal=journal,
         broken=replicator.broke if replicator is not None else None,
         restored=replicator.restored if replicator is not None else None,
+        drop=(lambda steps: tiers.drop(mem, steps)) if leader else None,
     )
     slower = [t for t in tiers.tiers if t is not mem]
     source.slower_steps = lambda: sorted({s for t in slower for s in _steps(t)})
@@ -159,6 +167,8 @@ def restore_from_peers(
         lin = _lineages([(peer.store, s) for s in mem], name="memory tier")
         post = {"ok": group is not None, "mem": mem, "slow": slow, "lin": lin, "slow_lin": slow_lin}
         ready = barrier.exchange("peer-ready", post)
+        if peer.leader:  # every rank posted: nobody reads its node's abandoned copies now
+            drop_abandoned(ready, rank, node=peer.node, journal=peer.journal, drop=peer.drop)
         if not all(v.get("ok") for v in ready):
             down = [r for r, v in enumerate(ready) if not v.get("ok")]
             peer.journal.append("peer_restore_skipped", reason=f"no side group on ranks {down}")
@@ -175,7 +185,7 @@ def peer_candidates(
 ) -> list[int]:
     """Steps to try from the memory tiers, newest first (module docstring, step 1); a step
     any node tier holds a copy of an abandoned or superseded branch of is none of them."""
-    mem = {int(s) for v in ready for s in v["mem"]} - _not_live(ready)
+    mem = {int(s) for v in ready for s in v["mem"]} - not_live(ready)
     if step is not None:
         return [step] if step in mem else []
     slow = ready[0].get("slow")
@@ -194,28 +204,6 @@ def _lineages(copies: list[tuple[CheckpointStore, int]], *, name: str) -> list[t
         lin = copy_lineage(store, s)
         out.append((s, None if lin is None else "legacy" if lin == LEGACY else lin.to_json()))
     return out
-
-
-def _not_live(ready: list[dict[str, Any]]) -> set[int]:
-    """Steps of which some node tier's copy is not on the live branch, judged with every node
-    tier's copies and (rank 0's post) the slower tiers' (store/lineage.py)."""
-    copies: list[Copy[tuple[int, int]]] = []
-    posts = [(r, v.get("lin")) for r, v in enumerate(ready)] + [(-1, ready[0].get("slow_lin"))]
-    for r, rows in posts:
-        for i, (s, lin) in enumerate(rows or ()):
-            try:
-                parsed = (
-                    None
-                    if lin is None
-                    else LEGACY
-                    if lin == "legacy"
-                    else parse_lineage(lin, "post")
-                )
-            except FlashCkptError:
-                parsed = None
-            copies.append(Copy(step=int(s), where=(r, i), order=0 if r >= 0 else 1, lineage=parsed))
-    verdict = judge(copies)
-    return {c.step for c, v in verdict.verdicts.items() if v != LIVE and c.where[0] >= 0}
 
 
 def _memory_steps(store: CheckpointStore) -> list[int]:

@@ -10,7 +10,10 @@ unknown branch point, which abandons nothing.
 (:func:`flashckpt.store.lineage.judge`); a copy on an abandoned branch (or superseded by a
 newer generation's copy of the same step) is skipped, journaled ``abandoned_copy`` and, in the
 memory tier this writer owns, deleted through the store (its chunks are then collected by gc:
-liveness stays the owner). Disk, remote and tiers of other writers are never touched.
+liveness stays the owner). Disk, remote and tiers of other writers are never touched. A
+node-local memory tier (peer replication) is judged together with every other node's at the
+distributed restore and swept by its node's leader (distributed/replication/nodelineage.py):
+its copies are skipped here, not journaled twice.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def open_branch(root: Path, store: CheckpointStore, dist: AgreesGeneration | Non
 def owned_memory(tiers: TierSet, rank: int | None) -> Tier | None:
     """The memory tier a writer may remove abandoned copies from: its own; under
     torch.distributed (``rank`` not None) the one every rank shares, by rank 0 only; a node
-    tier under peer replication by nobody here."""
+    tier under peer replication by its node's leader at the distributed restore, not here."""
     mem = tiers.by_name("memory")
     if mem is None or mem.node_local or (rank is not None and rank != 0):
         return None
@@ -105,6 +108,8 @@ def judged_holders(
     said: list[str] = []
     for c in verdict.dropped:
         tier = held[c.step][c.where[1]]
+        if tier.node_local:  # judged with every node's tier, journaled and removed by its node
+            continue  # (distributed/replication/nodelineage.py)
         remove = owned is not None and tier is owned
         gen = c.lineage.generation if c.lineage is not None else None
         said.append(f"step {c.step} in the {tier.name} tier (generation {gen})")

@@ -244,14 +244,14 @@ class Checkpointer:
             direct=self.options.compression is None and self._tiers.fastest.name == "memory",
         )
         self._warmup.start()
-        if self.rank == 0:  # one scrub per root (engine/tiers/scrubbing.py)
-            gov = sv.governor
-            start_idle_scrub(
-                self._tiers,
-                bytes_per_s=self.options.scrub_bytes_per_s,
-                busy=self._inflight.busy,
-                saturated=lambda: gov.enabled and gov.saturated,
-            )
+        gov = sv.governor
+        start_idle_scrub(  # one scrubber per tier (engine/tiers/scrubbing.py)
+            self._tiers,
+            bytes_per_s=self.options.scrub_bytes_per_s,
+            busy=self._inflight.busy,
+            saturated=lambda: gov.enabled and gov.saturated,
+            owned=self._dist.owns if self._dist is not None else None,
+        )
 
     def _stop_threads(self) -> None:
         self._warmup.stop()

@@ -21,7 +21,7 @@ from flashckpt.engine.restore.reader import read_plan
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import RestorePlan, plan_restore
-from flashckpt.store.files.safeopen import is_failure
+from flashckpt.store.files.oserrors import is_failure
 from flashckpt.store.format.manifest import Manifest
 from flashckpt.store.store import CheckpointStore, chunk_path
 

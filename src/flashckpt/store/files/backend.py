@@ -22,8 +22,8 @@ from flashckpt.errors import ConfigError, StorageError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.directio import write_parts
 from flashckpt.store.files.limits import read_limit
+from flashckpt.store.files.oserrors import storage_error as _storage_error
 from flashckpt.store.files.safeopen import check_relpath
-from flashckpt.store.files.safeopen import storage_error as _storage_error
 from flashckpt.store.files.safeopen import unlink_quiet as _unlink_quiet
 from flashckpt.store.files.staged import FreePool, StagedFile
 

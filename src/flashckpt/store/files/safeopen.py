@@ -393,31 +393,3 @@ def unlink_quiet(dfd: int, name: str) -> None:
         os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
-
-
-# errnos that say the filesystem or device failed, not that what sits at the path is wrong: a
-# reader that meets one cannot tell anything about the bytes (they may be intact)
-_FAILURES = frozenset(
-    getattr(errno, n)
-    for n in ("EIO", "EAGAIN", "EBUSY", "EINTR", "ENOMEM", "ETIMEDOUT", "ESTALE", "ENOLINK")
-    if hasattr(errno, n)
-)
-
-
-def is_failure(exc: BaseException) -> bool:
-    """True when ``exc`` is the filesystem failing (EIO, a timeout, a stale handle...), as
-    opposed to evidence about the file (missing, truncated, a symlink or FIFO in its place):
-    the one rule for telling an unreadable checkpoint from a damaged one, which a later save
-    may replace."""
-    return isinstance(exc, OSError) and exc.errno in _FAILURES
-
-
-def storage_error(op: str, path: Path, exc: OSError) -> StorageError:
-    hint = ""
-    if exc.errno == errno.ENOSPC:
-        hint = "; the device is full: free space or point the checkpoint root elsewhere"
-    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = "; check permissions on the checkpoint root"
-    err = StorageError(f"could not {op} {path}: {exc.strerror or exc}{hint}")
-    err.errno = exc.errno
-    return err

@@ -21,7 +21,8 @@ from typing import Any
 
 from flashckpt.errors import StorageError
 from flashckpt.store.files import safeopen
-from flashckpt.store.files.safeopen import check_relpath, storage_error, unlink_quiet
+from flashckpt.store.files.oserrors import storage_error
+from flashckpt.store.files.safeopen import check_relpath, unlink_quiet
 
 Buffer = Any
 _tmp_counter = itertools.count()

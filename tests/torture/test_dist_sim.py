@@ -3,13 +3,10 @@ manifest and at random instants, node loss (see torture_dist.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from torture_dist import DistSession, RunPlan, expected_digest
-from torture_faults import STATS
-from torture_known import HITS
 from torture_oracle import ViolationError
 
 pytestmark = pytest.mark.dist  # (the oracle tests below start no process)
@@ -22,14 +19,6 @@ def test_dist_sim(tmp_path: Path, dist_seed: int) -> None:
 
 
 # -- the oracle itself, on made-up reports (no processes) ---------------------------------------
-@pytest.fixture
-def own_counts() -> Iterator[None]:
-    """Violations provoked here on purpose stay out of the session's torture counts."""
-    stats, hits = STATS.copy(), list(HITS)
-    yield
-    STATS.clear()
-    STATS.update(stats)
-    HITS[:] = hits
 
 
 def _ev(rank: int, event: str, step: int | None = None, t: float = 0.0, **kw: object) -> dict:

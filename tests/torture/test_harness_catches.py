@@ -12,14 +12,12 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from torture_faults import STATS, FaultPlan, damage_in_place, flip_bit, install
+from torture_faults import FaultPlan, damage_in_place, flip_bit, install
 from torture_kill import KillSession
-from torture_known import HITS
 from torture_model import build, train_step
 from torture_oracle import ViolationError, disk_steps, manifest_path
 from torture_sim import Sim
@@ -27,15 +25,7 @@ from torture_sim import Sim
 import flashckpt
 from flashckpt.store.files.backend import LocalBackend
 
-
-@pytest.fixture(autouse=True)
-def _own_counts() -> Iterator[None]:
-    """Violations provoked here on purpose stay out of the session's torture counts."""
-    stats, hits = STATS.copy(), list(HITS)
-    yield
-    STATS.clear()
-    STATS.update(stats)
-    HITS[:] = hits
+pytestmark = pytest.mark.usefixtures("own_counts")  # conftest.py
 
 
 def _newest_chunk(root: Path) -> Path | None:

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from torture_faults import STATS, FaultPlan, install
-from torture_known import HITS
+from torture_faults import FaultPlan, install
 from torture_oracle import ViolationError, disk_steps, manifest_path
 from torture_procs import simulated_pids
 from torture_sim import Sim
@@ -22,15 +20,7 @@ from flashckpt.errors import StorageError
 from flashckpt.store import pins
 from flashckpt.store.files.backend import LocalBackend
 
-
-@pytest.fixture(autouse=True)
-def _own_counts() -> Iterator[None]:
-    """Violations provoked here on purpose stay out of the session's torture counts."""
-    stats, hits = STATS.copy(), list(HITS)
-    yield
-    STATS.clear()
-    STATS.update(stats)
-    HITS[:] = hits
+pytestmark = pytest.mark.usefixtures("own_counts")  # conftest.py
 
 
 def _sim(tmp_path: Path, plan: FaultPlan, *, memory: bool) -> Sim:

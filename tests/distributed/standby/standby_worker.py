@@ -10,7 +10,12 @@ saved at that step. Flags (files in OUT): ``crash_first_step`` -> the next resum
 raises in its first step (the file is removed); ``fail_standby`` -> a standby exits 3 at once
 (and the active finishes only once the launcher counted three failed standbys); ``standin`` ->
 saves go through the device-staging path with the CPU stand-in for CUDA of
-tests/engine/save/test_device_standin.py.
+tests/engine/save/test_device_standin.py; ``slow_standby`` -> a standby sleeps 3 s after its
+``start`` event (a window in which it is started but not yet ready); ``pause_resumed`` -> a
+resumed process sleeps up to 10 s before its first step, while the file is there. The first
+active process waits after its first step until the launcher says its standby is ready (or
+failed): the launcher starts a standby only after that step, and the tests kill once it is
+ready.
 """
 
 import hashlib
@@ -39,6 +44,8 @@ def event(name: str, **fields: object) -> None:
 event("start", standby=standby, policy=os.sched_getscheduler(0))
 if standby and (out / "fail_standby").exists():
     sys.exit(3)
+if standby and (out / "slow_standby").exists():
+    time.sleep(3.0)
 if (out / "standin").exists():  # the CPU stand-in for CUDA that the device-staging tests use
     import pytest
 
@@ -70,6 +77,22 @@ moves_before = Net.moves
 state = {"model": model, "optim": opt}
 
 
+def launcher() -> dict:
+    try:
+        return json.loads((out / "launcher.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for_the_standby() -> None:
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        st = launcher()
+        if st.get("standby_ready") or st.get("standby_failures"):
+            return
+        time.sleep(0.02)
+
+
 def digest() -> str:
     h = hashlib.sha256()
     for part in ("model", "optim"):
@@ -95,6 +118,9 @@ start = ckpt.restore(state) or 0
 event("restored", step=start, digest=digest(), moves_before=moves_before, moves_after=Net.moves,
       was_standby=standby, policy=os.sched_getscheduler(0))  # fmt: skip
 (out / "digests").mkdir(exist_ok=True)
+pause_until = time.monotonic() + 10
+while start and (out / "pause_resumed").exists() and time.monotonic() < pause_until:
+    time.sleep(0.01)
 for step in range(start + 1, steps + 1):
     if start and (out / "crash_first_step").exists() and rank == 0:
         (out / "crash_first_step").unlink()
@@ -109,15 +135,12 @@ for step in range(start + 1, steps + 1):
     (out / "digests" / f"{rank}-{step}").write_text(digest())
     ckpt.save(step, state)
     event("step", step=step)
+    if step == 1 and start == 0:
+        wait_for_the_standby()
     time.sleep(0.05)
 if (out / "fail_standby").exists():  # finish only once the launcher gave up on standbys
     deadline = time.monotonic() + 100
-    while time.monotonic() < deadline:
-        try:
-            if json.loads((out / "launcher.json").read_text())["standby_failures"] >= 3:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
+    while time.monotonic() < deadline and launcher().get("standby_failures", 0) < 3:
         time.sleep(0.05)
 ckpt.close()
 from flashckpt.engine import device  # noqa: E402

@@ -189,6 +189,8 @@ def test_clean_exit_ends_the_standby(tmp_path: Path) -> None:
 
 
 def test_crash_in_the_first_resumed_step(tmp_path: Path) -> None:
+    """The standby takes over and crashes in its first step: no next standby was started yet
+    (it starts only after the first step), so the restart is cold, and still bitwise."""
     (tmp_path / "crash_first_step").touch()
     launch = Launch(tmp_path, steps=30)
     launch.ready_standby()
@@ -197,8 +199,9 @@ def test_crash_in_the_first_resumed_step(tmp_path: Path) -> None:
     assert code == 0, log
     assert [e for e in launch.events() if e["event"] == "crashing"], "the crash did not happen"
     rows = check_restores(launch)
-    assert len(rows) == 2 and all(r["was_standby"] for r in rows)
-    assert launch.state()["restarts"] == 2
+    assert len(rows) == 2 and rows[0]["was_standby"] and not rows[1]["was_standby"]
+    st = launch.state()
+    assert (st["restarts"], st["takeovers"], st["cold_restarts"]) == (2, 1, 1)
     assert [e for e in launch.events() if e["event"] == "done"]
 
 
@@ -218,17 +221,66 @@ def test_standby_start_failure_never_affects_the_active_run(tmp_path: Path) -> N
 
 def test_two_quick_failures_in_a_row(tmp_path: Path) -> None:
     """The active dies; the standby takes over and is killed right after its restore, before
-    the next standby is ready: that one takes over as soon as it reaches restore()."""
+    its first step: no next standby was started yet, so the launcher restarts cold."""
+    (tmp_path / "pause_resumed").touch()  # the takeover waits before its first step
     launch = Launch(tmp_path, steps=30)
     launch.ready_standby()
     launch.kill_active_at(5)
     second = launch.until("the takeover", lambda: restored(launch)[1:] and restored(launch)[1])
     os.kill(second["pid"], signal.SIGKILL)
+    (tmp_path / "pause_resumed").unlink()
+    assert not launch.reached(second["step"] + 1, second["pid"])  # killed before its first step
     code, log = launch.finish()
     assert code == 0, log
     rows = check_restores(launch)
-    assert len(rows) == 2 and rows[0]["pid"] == second["pid"]
-    assert launch.state()["takeovers"] == 2
+    assert len(rows) == 2 and rows[0]["pid"] == second["pid"] and not rows[1]["was_standby"]
+    st = launch.state()
+    assert (st["restarts"], st["takeovers"], st["cold_restarts"]) == (2, 1, 1)
+
+
+def standby_starts(launch: Launch) -> list[dict]:
+    return [e for e in launch.events() if e["event"] == "start" and e["standby"]]
+
+
+def test_the_next_standby_starts_only_after_the_first_step(tmp_path: Path) -> None:
+    """A standby's imports and model building would compete with a start, a restore and a
+    first step: the launcher starts it only once the active process stepped (role.say_stepped)."""
+    launch = Launch(tmp_path, steps=200)
+    launch.ready_standby()
+    killed = launch.kill_active_at(5)
+    launch.until("the second standby", lambda: standby_starts(launch)[1:])
+    launch.proc.send_signal(signal.SIGTERM)
+    launch.finish()
+    rows = launch.events()
+    took = next(e for e in rows if e["event"] == "restored" and e["was_standby"])
+    for active, standby in (
+        (killed, standby_starts(launch)[0]),
+        (took["pid"], standby_starts(launch)[1]),
+    ):
+        first = next(e for e in rows if e["event"] == "step" and e["pid"] == active)
+        assert standby["t"] >= first["t"], (first, standby)
+    assert standby_starts(launch)[1]["t"] >= took["t"]
+
+
+def test_a_failure_before_the_next_standby_is_ready_waits_for_it(tmp_path: Path) -> None:
+    """The new active dies after its first step, while the next standby is started but not yet
+    ready: that standby is told go at once and takes over when it reaches restore()."""
+    (tmp_path / "slow_standby").touch()
+    launch = Launch(tmp_path, steps=40)
+    launch.ready_standby()
+    launch.kill_active_at(5)
+    second = launch.until("the takeover", lambda: restored(launch)[1:] and restored(launch)[1])
+    launch.until("its first step", lambda: launch.reached(second["step"] + 1, second["pid"]))
+    third = launch.until("the next standby's start", lambda: standby_starts(launch)[1:])[0]
+    assert not launch.state().get("standby_ready")  # it sleeps 3 s after its start event
+    os.kill(second["pid"], signal.SIGKILL)
+    code, log = launch.finish()
+    assert code == 0, log
+    rows = check_restores(launch)
+    assert [r["pid"] for r in rows] == [second["pid"], third["pid"]], rows
+    assert all(r["was_standby"] for r in rows)
+    st = launch.state()
+    assert (st["restarts"], st["takeovers"], st["cold_restarts"]) == (2, 2, 0)
 
 
 @pytest.mark.parametrize("victim", [0, 1])

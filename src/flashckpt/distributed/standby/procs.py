@@ -4,7 +4,9 @@ Every member runs in a session of its own (``start_new_session``), so ending it 
 started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal
 does not reach it twice. A standby member is started under ``SCHED_IDLE`` where the kernel
 allows it (its imports and model building then only use CPU the active run leaves idle) and
-gets two pipes: the launcher's ``go`` line arrives on one, it says ``ready`` on the other.
+gets two pipes: the launcher's ``go`` line arrives on one, it says ``ready`` on the other. Every
+member, active or standby, gets a third on which it says ``stepped`` at its first training step
+(:func:`~.role.say_stepped`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Member:
     go_w: int | None = None
     ready_r: int | None = None
     ready: bool = False
+    stepped_r: int | None = None  # its first step is announced here (role.say_stepped)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -75,6 +78,22 @@ class Member:
             if not self.ready and not got:  # closed without a word (it died, or took over)
                 self._close_ready()
         return self.ready
+
+    def check_stepped(self) -> bool:
+        """Whether it reached its first training step, or closed the pipe without a word (it
+        died, or its script never steps through a Checkpointer): either way nothing is left to
+        wait for."""
+        if self.stepped_r is not None:
+            try:
+                os.read(self.stepped_r, 64)  # ``stepped``, or end of file
+            except BlockingIOError:
+                return False
+            except OSError:
+                pass
+            with contextlib.suppress(OSError):
+                os.close(self.stepped_r)
+            self.stepped_r = None
+        return True
 
     def _close_ready(self) -> None:
         if self.ready_r is not None:
@@ -97,10 +116,11 @@ class Member:
         return True
 
     def close_pipes(self) -> None:
-        if self.go_w is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.go_w)
-            self.go_w = None
+        for fd in (self.go_w, self.stepped_r):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.go_w = self.stepped_r = None
         self._close_ready()
 
 
@@ -113,6 +133,7 @@ class RankSet:
     port: int | None
     members: list[Member] = field(default_factory=list)
     started_t: float = field(default_factory=time.time)
+    active_t: float = field(default_factory=time.time)  # started as, or promoted to, the job
 
     @property
     def pids(self) -> list[int]:
@@ -123,6 +144,10 @@ class RankSet:
 
     def ready(self) -> bool:
         return all(m.check_ready() for m in self.members)
+
+    def stepped(self) -> bool:
+        """Every member reached its first step (or can no longer say so)."""
+        return all([m.check_stepped() for m in self.members])
 
     def signal(self, sig: int) -> None:
         for m in self.members:
@@ -150,6 +175,7 @@ class RankSet:
         for m in self.members:
             m._close_ready()
         self.standby = False
+        self.active_t = time.time()
         return all(sent)
 
 
@@ -166,7 +192,7 @@ def start_set(
     port = free_port() if nproc > 1 else None
     rs = RankSet(generation=generation, standby=standby, port=port)
     base = dict(os.environ if env is None else env)
-    for name in roles.ALL:
+    for name in roles.LAUNCHER:
         base.pop(name, None)
     base["FLASHCKPT_RUN_GENERATION"] = str(generation)
     try:
@@ -192,27 +218,35 @@ def _start_member(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-    if not standby:
-        return Member(proc=subprocess.Popen(list(cmd), env=env, start_new_session=True), rank=rank)
-    go_r, go_w = os.pipe()
-    ready_r, ready_w = os.pipe()
-    os.set_blocking(ready_r, False)
-    idle = idle_allowed()
-    lock = "writer" if nproc == 1 else f"rank-{rank}"
-    env.update(roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=idle))
+    stepped_r, stepped_w = os.pipe()
+    os.set_blocking(stepped_r, False)
+    env[roles.ENV_STEPPED_FD] = str(stepped_w)
+    ours, theirs = [stepped_r], [stepped_w]  # parent's ends, child's ends
+    idle = False
+    if standby:
+        go_r, go_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        os.set_blocking(ready_r, False)
+        ours += [go_w, ready_r]
+        theirs += [go_r, ready_w]
+        idle = idle_allowed()
+        lock = "writer" if nproc == 1 else f"rank-{rank}"
+        env.update(roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=idle))
     try:
         proc = subprocess.Popen(
             list(cmd),
             env=env,
             start_new_session=True,
-            pass_fds=(go_r, ready_w),
+            pass_fds=tuple(theirs),
             preexec_fn=_idle if idle else None,
         )
     except BaseException:
-        for fd in (go_w, ready_r):
+        for fd in ours:
             os.close(fd)
         raise
     finally:
-        os.close(go_r)
-        os.close(ready_w)
-    return Member(proc=proc, rank=rank, go_w=go_w, ready_r=ready_r)
+        for fd in theirs:
+            os.close(fd)
+    if not standby:
+        return Member(proc=proc, rank=rank, stepped_r=stepped_r)
+    return Member(proc=proc, rank=rank, go_w=go_w, ready_r=ready_r, stepped_r=stepped_r)

@@ -17,12 +17,21 @@ the launcher only):
 * ``FLASHCKPT_STANDBY_IDLE=1``: the launcher started it under ``SCHED_IDLE`` (or ``nice 19``);
   the takeover restores normal priority.
 
-An active process (and any process not started by the launcher) has none of them.
+An active process (and any process not started by the launcher) has none of them. Every process
+the launcher starts, active or standby, gets one more:
+
+* ``FLASHCKPT_RUN_STEPPED_FD=<n>``: the write end of a pipe on which the process writes
+  ``stepped`` at the first step its Checkpointer is told of (:func:`say_stepped`). The launcher
+  starts the next standby only then, so that a standby's imports and model building never
+  compete with a start, a restore or a first step (on the 2-core CI VM they made a takeover's
+  first step 3x a normal one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,9 +42,12 @@ ENV_FD = "FLASHCKPT_STANDBY_FD"
 ENV_LOCK = "FLASHCKPT_STANDBY_LOCK"
 ENV_IDLE = "FLASHCKPT_STANDBY_IDLE"
 ENV_READY_FD = "FLASHCKPT_STANDBY_READY_FD"
+ENV_STEPPED_FD = "FLASHCKPT_RUN_STEPPED_FD"
 ALL = (ENV, ENV_FD, ENV_LOCK, ENV_IDLE, ENV_READY_FD)
+LAUNCHER = (*ALL, ENV_STEPPED_FD)  # everything a launcher sets (a nested one starts clean)
 EXIT_ORPHANED = 75  # the launcher went away before a takeover (EX_TEMPFAIL)
 GO = b"go"
+STEPPED = b"stepped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,3 +95,17 @@ def became_active() -> None:
     workers, a nested launcher) must not think they are standbys."""
     for name in ALL:
         os.environ.pop(name, None)
+
+
+def say_stepped() -> None:
+    """Tell the launcher this process reached its first training step (once; nothing when the
+    process was not started by ``flashckpt run``). The descriptor is written only while it is
+    still a pipe: a script that closed it and opened a file under the same number keeps it."""
+    fd = os.environ.pop(ENV_STEPPED_FD, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        n = int(fd)
+        if stat.S_ISFIFO(os.fstat(n).st_mode):
+            os.write(n, STEPPED + b"\n")
+            os.close(n)

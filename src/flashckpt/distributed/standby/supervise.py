@@ -19,9 +19,14 @@ Then it watches both, every few milliseconds:
   ``handle_sigterm`` may save), the standby is ended, and the launcher exits with the active
   set's code once it is gone.
 
-Two failures in a row (the new active dies in its first step, before the next standby is
-ready) are the same case: the next standby is told ``go`` at once and takes over once it
-reaches ``restore()``.
+A standby is started only once the active set reached its first training step (each rank says
+so on a pipe, :func:`~.role.say_stepped`; or after :data:`SETTLE_MAX_S`, for a script that
+never steps through a Checkpointer): the standby's imports and model building take CPU and
+memory bandwidth even at idle priority, and while the active set starts, restores or runs its
+first step that is the restart's time (on the 2-core CI VM a takeover's first step took 3x a
+normal step with the next standby starting beside it). So an active set that dies before its
+first step has no standby yet and is restarted cold; one that dies after it, before the next
+standby is ready, is taken over by that standby as soon as it reaches ``restore()``.
 
 Every process it starts gets ``FLASHCKPT_RUN_GENERATION`` (1, 2, ...: the set it belongs to)
 and, with ``nproc > 1``, torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -49,6 +54,7 @@ from flashckpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 POLL_S = 0.005
+SETTLE_MAX_S = 30.0  # start the standby after this long even if the active never said stepped
 
 
 def _exit_code(code: int) -> int:
@@ -193,6 +199,8 @@ class Supervisor:
     def _maybe_spare(self) -> None:
         if not self.standby or self.spare is not None or time.monotonic() < self._spare_due:
             return
+        if not self._settled():
+            return
         if self._failures_in_a_row >= self.max_standby_failures:
             return
         self._ready_noted = False
@@ -203,6 +211,13 @@ class Supervisor:
             self.counts["standby_failures"] += 1
             self._spare_due = time.monotonic() + 1.0
             self.say(f"flashckpt run: cannot start a standby ({exc}); the active run goes on")
+
+    def _settled(self) -> bool:
+        """The active set is past its first step (see the module): a standby may start."""
+        active = self.active
+        if active is None:
+            return True
+        return active.stepped() or time.time() - active.active_t >= SETTLE_MAX_S
 
     def _stop(self, sig: int) -> int:
         assert self.active is not None

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashckpt.distributed.standby import role as roles
 from flashckpt.engine.runtime.restart import RestartClock
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal, read_events
@@ -46,6 +47,7 @@ class RunMarker:
         self.restart: RestartClock | None = None  # set after a crash (primary writer only)
         self._fd: int | None = None
         self._t0 = time.time()
+        self._stepped = False  # the launcher was told of the first step (role.say_stepped)
 
     def start(self, store: CheckpointStore, save_policy: Any) -> None:
         crashed = _exists(self.root, self.rel)
@@ -78,6 +80,9 @@ class RunMarker:
             return
         record = json.dumps({"pid": os.getpid(), "t": self._t0, "step": step}).ljust(_WIDTH)
         os.pwrite(self._fd, record.encode()[:_WIDTH], 0)
+        if step is not None and not self._stepped:  # flashckpt run starts a standby now
+            self._stepped = True
+            roles.say_stepped()
         if self.restart is not None and step is not None:
             self.restart.tick(step)
             if self.restart.done:  # journaled: later ticks skip it

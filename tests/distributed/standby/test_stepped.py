@@ -1,0 +1,62 @@
+"""``role.say_stepped``: a process started by ``flashckpt run`` says ``stepped`` once, on its
+pipe, and never writes into a descriptor that is no longer that pipe."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flashckpt.distributed.standby import role as roles
+
+
+def test_it_says_stepped_once_and_closes_the_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    r, w = os.pipe()
+    monkeypatch.setenv(roles.ENV_STEPPED_FD, str(w))
+    roles.say_stepped()
+    roles.say_stepped()  # the variable is gone: nothing a second time
+    assert os.read(r, 64) == b"stepped\n"
+    assert os.read(r, 64) == b""  # the write end is closed: the launcher sees end of file
+    os.close(r)
+    assert roles.ENV_STEPPED_FD not in os.environ
+
+
+def test_a_descriptor_reused_for_a_file_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fd = os.open(tmp_path / "data.bin", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setenv(roles.ENV_STEPPED_FD, str(fd))
+        roles.say_stepped()
+        os.fstat(fd)  # still open: the script's file is not closed under it
+    finally:
+        os.close(fd)
+    assert (tmp_path / "data.bin").read_bytes() == b""
+
+
+@pytest.mark.parametrize("value", ["", "x", "-1", "999999"])
+def test_a_bad_variable_is_ignored(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(roles.ENV_STEPPED_FD, value)
+    roles.say_stepped()
+    assert roles.ENV_STEPPED_FD not in os.environ
+
+
+def test_the_checkpointer_says_it_at_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import flashckpt
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    monkeypatch.setenv(roles.ENV_STEPPED_FD, str(w))
+    state = {"w": torch.zeros(4)}
+    with flashckpt.Checkpointer(tmp_path / "root", async_save=False) as ckpt:
+        assert ckpt.restore(state) is None
+        with pytest.raises(BlockingIOError):
+            os.read(r, 64)  # opening and restoring is not a step
+        ckpt.save(1, state)
+        assert os.read(r, 64) == b"stepped\n"
+    os.close(r)

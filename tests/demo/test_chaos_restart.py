@@ -1,4 +1,5 @@
-"""The chaos stats take the flashckpt method's restart seconds from its journal when there."""
+"""The chaos stats time a restart from the driver's kill; the journal gives its own figures and
+parts beside it."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ JOURNAL = [
 ]  # fmt: skip
 
 
-def test_journaled_restart_seconds_win_for_their_process() -> None:
+def test_the_restart_is_timed_from_the_kill_and_the_journal_is_kept_beside_it() -> None:
+    """The journal's 3.2 s starts at the killed run's last tick (11.9), before the kill (12.0):
+    the driver's kill -> first step (15.0) is the restart."""
     res = analyze(_log(), kills=[12.0], t0=0.0, t_end=25.0, journal=JOURNAL)
-    assert res.restart_s == [3.2] and res.restart_journaled == 1
+    assert res.restart_s == [pytest.approx(3.0)] and res.restart_journaled == 1
+    assert res.journal_restart_s == [3.2]
     assert res.journal_restart_parts_s == pytest.approx(
         {"down": 0.2, "start": 1.5, "restore": 0.5, "first_step": 1.0}
     )
@@ -40,7 +44,7 @@ def test_journaled_restart_seconds_win_for_their_process() -> None:
 def test_without_a_journal_the_log_times_the_restart() -> None:
     res = analyze(_log(), kills=[12.0], t0=0.0, t_end=25.0)
     assert res.restart_s == [pytest.approx(3.0)] and res.restart_journaled == 0
-    assert res.journal_restart_parts_s == {}
+    assert res.journal_restart_parts_s == {} and res.journal_restart_s == []
 
 
 def test_a_journaled_restart_spanning_two_failures_is_not_used() -> None:
@@ -50,6 +54,7 @@ def test_a_journaled_restart_spanning_two_failures_is_not_used() -> None:
     res = analyze(_log(), kills=[6.0, 12.0], t0=0.0, t_end=25.0, journal=journal)
     assert res.restart_s == [pytest.approx(3.0)]  # the log's: kill at 12 -> step at 15
     assert res.restart_journaled == 0 and res.journal_restart_parts_s == {}
+    assert res.journal_restart_s == []
 
 
 def test_a_standby_run_is_timed_from_the_kill_before_its_first_step() -> None:

@@ -13,14 +13,16 @@ record per step (compute and blocking seconds). Processes follow each other in t
 - **Goodput** = useful time / wall time of the run.
 - **Restart** (per kill): kill → first completed step of the next process, split into process
   (kill → spawn), imports (interpreter start and imports), build (model and optimizer), restore
-  (opening the checkpointer and loading), and the first step. For the flashckpt method, pass
-  its ``journal``: a process that journaled a ``restart`` (engine/runtime/restart.py) contributes
-  that ``restart_seconds`` (kill = the killed run's last sign of life, so it errs long by at most
-  a step) instead of the log's, and ``journal_restart_parts_s`` holds the journal's mean parts
-  (down, start, restore, first_step); ``restart_journaled`` counts them. A journaled restart
+  (opening the checkpointer and loading), and the first step. The kill instant is the
+  driver's, exact. For the flashckpt method, pass its ``journal``: the ``restart`` events
+  (engine/runtime/restart.py) give ``journal_restart_s`` and the mean parts
+  ``journal_restart_parts_s`` (down, start, restore, first_step), what ``status`` and the
+  report show; ``restart_journaled`` counts them. The journal cannot know the kill instant (its
+  kill is the killed run's last sign of life, up to a step early), so ``restart_s`` stays the
+  log's. A journaled restart
   whose kill instant precedes the kill before this one spans two failures (a restarted
   process killed before it opened its Checkpointer leaves no trace in the journal); the log's
-  figure is used for it instead. A warm standby's process (``flashckpt_standby``: ``standby``
+  figure is used alone for it. A warm standby's process (``flashckpt_standby``: ``standby``
   in its start record) was started before the kill it replaces: its kill is the last one
   before its first step, and everything from the kill to the end of its ``restore()`` (the
   wait, opening the Checkpointer, loading) is its restore part (process, imports, build: 0).
@@ -67,6 +69,7 @@ class MethodResult:
     interval_s: float | None
     restore_s: list[float]
     restart_s: list[float]
+    journal_restart_s: list[float]
     restart_parts_s: dict[str, float]
     restart_journaled: int
     journal_restart_parts_s: dict[str, float]
@@ -102,9 +105,9 @@ def _restarts(
     t_spawn0: float,
     journaled: dict[Any, Mapping[str, Any]],
 ) -> tuple[list[float], dict[str, list[float]], float | None]:
-    """Restart seconds per kill that was followed by a resumed step (the journaled value
-    where ``journaled`` has the process's pid; entries not used are removed from it); the
-    parts; cold start."""
+    """Restart seconds (kill -> first step) per kill that was followed by a resumed step
+    (journaled entries that span two failures are removed from ``journaled``); the parts; cold
+    start."""
     parts: dict[str, list[float]] = {
         "process": [],
         "imports": [],
@@ -127,9 +130,8 @@ def _restarts(
         kill = before[-1]
         j = journaled.get(s.get("pid"))
         if j is not None and not _one_failure(j, before[-2] if len(before) > 1 else t_spawn0):
-            journaled.pop(s.get("pid"))  # it spans an earlier failure too: take the log's
-            j = None
-        restart.append(j["restart_seconds"] if j else run.steps[0]["t"] - kill)
+            journaled.pop(s.get("pid"))  # it spans an earlier failure too
+        restart.append(run.steps[0]["t"] - kill)
         if standby:  # no new process, imports or build: its restore() waited for the kill
             for p in ("process", "imports", "build"):
                 parts[p].append(0.0)
@@ -217,6 +219,7 @@ def analyze(
         interval_s=interval,
         restore_s=[r.start["t_restored"] - r.start["t_restore"] for r in runs],
         restart_s=restart,
+        journal_restart_s=[float(e["restart_seconds"]) for e in journaled.values()],
         restart_parts_s={k: mean(v) for k, v in parts.items()},
         restart_journaled=len(journaled),
         journal_restart_parts_s=_journal_parts(journaled),

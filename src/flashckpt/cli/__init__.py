@@ -27,9 +27,15 @@ COMMAND_MODULES = (
     "chaos",
     "run",
 )
+# Commands whose parser is built alone when they are the one invoked. ``run`` is the launcher:
+# it starts the job, stays resident beside it and restarts it, so it must not pay for the other
+# modules' imports (several import torch: 0.8 s of CPU and ~200 MB that the launcher would hold,
+# on every job start, on cores the job's first step needs).
+ALONE = {"run": "run"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with ``only`` (a module of :data:`ALONE`) that module's alone."""
     from flashckpt.version import __version__
 
     parser = argparse.ArgumentParser(
@@ -39,14 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flashckpt {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in (only,) if only else COMMAND_MODULES:
         importlib.import_module(f"flashckpt.cli.{name}").register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in args_in if not a.startswith("-")), None)  # -v comes before it
+    parser = build_parser(ALONE.get(first) if first else None)
+    args = parser.parse_args(args_in)
     if args.command is None:
         parser.print_help()
         return 2

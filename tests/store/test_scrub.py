@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import flashckpt
+from flashckpt.engine.runtime import hostcpu
 from flashckpt.engine.tiers import scrubbing
 from flashckpt.errors import ConfigError
 from flashckpt.store.files.backend import LocalBackend
@@ -147,6 +148,7 @@ def test_the_engine_scrubs_in_idle_time_and_journals_damage(tmp_path, monkeypatc
     """The Checkpointer's promotion thread scrubs the disk tier when nothing else happens,
     journals ``scrub_damage`` and quarantines the chunk; the next save writes it again."""
     monkeypatch.setattr(scrubbing, "QUIET_S", 0.1)
+    monkeypatch.setattr(hostcpu, "MIN_IDLE_CORES", 0.0)  # other tests keep the cores busy
     state = _state()
     with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK, scrub_bytes_per_s="64MiB") as ckpt:
         ckpt.save(1, state)
@@ -172,6 +174,7 @@ def test_the_engine_journals_what_its_scrub_read(tmp_path, monkeypatch):
     """``scrubbed`` (tier, bytes, chunks, seconds) says how much the idle scrub verified, for
     the report and the metrics; journaled every REPORT_S (lowered here to every step)."""
     monkeypatch.setattr(scrubbing, "QUIET_S", 0.1)
+    monkeypatch.setattr(hostcpu, "MIN_IDLE_CORES", 0.0)  # other tests keep the cores busy
     monkeypatch.setattr(scrubbing, "REPORT_S", 0.0)
     with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK, scrub_bytes_per_s="64MiB") as ckpt:
         ckpt.save(1, _state())

@@ -249,7 +249,7 @@ class Checkpointer:
             self._tiers,
             bytes_per_s=self.options.scrub_bytes_per_s,
             busy=self._inflight.busy,
-            saturated=lambda: gov.enabled and gov.saturated,
+            saturated=gov.idle_work_waits,  # a saturated host or no idle core
             owned=self._dist.owns if self._dist is not None else None,
         )
 

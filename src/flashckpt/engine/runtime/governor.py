@@ -23,6 +23,10 @@ cost the loop and runs the next one the cheaper way:
   ``probe_every`` saves the other mode is measured again, because what the background costs
   changes with what else runs on the host.
 
+Work that no save needs (the idle scrub) asks :meth:`Governor.idle_work_waits` before each
+step: it waits while the saves' background work is measured costlier than its budget, and
+while the host has no idle core to give it (:mod:`~flashckpt.engine.runtime.hostcpu`).
+
 Every decision is journaled (``governor``: the mode chosen, why, the costs of both modes and
 the budget); ``flashckpt status`` and the report show the latest.
 """
@@ -34,6 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from flashckpt.engine.runtime.hostcpu import IdleCpu
 from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.journal import Journal
 
@@ -64,6 +69,7 @@ class Governor:
     last: dict[str, object] = field(default_factory=dict)  # the latest decision (status)
     priority: str = "unmanaged"  # the background threads' CPU level (engine/runtime/priority.py)
     saturated: bool = False  # background work measured costlier than its budget: idle work waits
+    host: IdleCpu = field(default_factory=IdleCpu)  # whether the host has a core to spare
 
     def __post_init__(self) -> None:
         self.meter.on_cost = self._settled
@@ -88,6 +94,10 @@ class Governor:
         """The save being measured is durable (``until``: set when its promotion ended)."""
         with self._lock:
             self.meter.durable(blocking_s=blocking_s, background_s=background_s, until=until)
+
+    def idle_work_waits(self) -> bool:
+        """Whether work that no save needs must wait now (see the module)."""
+        return (self.enabled and self.saturated) or self.host.busy()
 
     # -- deciding ---------------------------------------------------------------------------
     def _settled(self, cost_s: float) -> None:

@@ -6,8 +6,11 @@ about :data:`STEP_S` seconds' worth of it, and the next waits until the average 
 rate. It yields to training and to checkpointing:
 
 * not while a save is in flight, nor for :data:`QUIET_S` after one or after a promotion;
-* not while the governor (engine/runtime/governor.py) finds the host saturated, i.e. the
-  saves' background work already costs the loop more than a foreground save would.
+* not while the governor (engine/runtime/governor.py) says idle work waits: the saves'
+  background work already costs the loop more than a foreground save would, or the host had
+  less than half a core idle since the last look (engine/runtime/hostcpu.py). A training loop
+  that keeps every core busy is never scrubbed under (its chunks are still verified whenever
+  they are read: restore, promotion, replication).
 
 Damage found is journaled (``scrub_damage``: tier, chunk, steps, error, quarantined) and logged
 as a warning, and what was read, every :data:`REPORT_S` (``scrubbed``: tier, bytes, chunks,

@@ -116,3 +116,33 @@ def test_a_foreground_save_returns_durable_and_governor_false_never_waits(tmp_pa
 def test_a_bad_save_budget_is_refused_with_what_to_do(tmp_path, bad) -> None:
     with pytest.raises(ConfigError, match="save_budget_s must be a number of seconds"):
         flashckpt.Checkpointer(tmp_path / "root", async_save=True, save_budget_s=bad)
+
+
+def test_a_journaled_foreground_cost_replaces_the_probe_after_a_restart() -> None:
+    """A restarted process paid a synchronous save, its cold one, as the foreground probe
+    after every restart; the newest cost an earlier run of the same rank journaled stands in."""
+    events = [
+        {"event": "governor", "foreground_cost_s": 0.9},
+        {"event": "governor", "foreground_cost_s": 0.3, "rank": 1},  # another rank's
+        {"event": "governor", "foreground_cost_s": 0.25},
+        {"event": "governor", "foreground_cost_s": None},  # killed before it measured one
+        {"event": "governor", "foreground_cost_s": True},  # not a number
+    ]
+    gov = Governor(probe_every=100)
+    gov.observe_history(events)
+    assert gov.inherited_s == 0.25
+    ran = _run(gov, [0.1, 0.1, 0.6, 0.6])  # no probe: the third makes background dearer
+    assert ran == [BACKGROUND, BACKGROUND, BACKGROUND, FOREGROUND]
+    assert list(gov.costs[FOREGROUND]) == [0.25, 0.6]  # the inherited cost, then its own
+    fresh = Governor(probe_every=100)
+    fresh.observe_history([{"event": "governor", "foreground_cost_s": "0.2"}, {"event": "x"}])
+    assert fresh.inherited_s is None and _run(fresh, [0.1, 0.1])[1] == FOREGROUND
+
+
+def test_a_restarted_checkpointer_starts_from_the_journaled_budget(tmp_path) -> None:
+    with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
+        _loop(ck, steps=40, every=5)
+        fg = ck._saver.governor.last.get("foreground_cost_s")
+    assert fg is not None
+    with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
+        assert ck._saver.governor.inherited_s == pytest.approx(fg)

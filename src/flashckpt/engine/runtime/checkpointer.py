@@ -207,7 +207,7 @@ class Checkpointer:
         self._marker = RunMarker(
             self.root, self.journal, name=self._lock.path.stem, primary=self.rank == 0
         )
-        self._marker.start(self.store, self.save_policy)
+        self._marker.start(self.store, self.save_policy, self._saver.governor)
         self._preempt: Preemption | None = None
         if handle_sigterm:  # see engine/runtime/preempt.py
             self._preempt = Preemption(

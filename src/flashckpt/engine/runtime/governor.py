@@ -18,10 +18,12 @@ cost the loop and runs the next one the cheaper way:
   the same single-pass path.
 * **The cheaper one wins.** The budget of a save is ``budget_s`` when given, else the measured
   cost of a foreground save of the same state (what a synchronous save costs here and now).
-  The second save of a run is a foreground probe; from then on each save runs in the mode whose
-  recent saves cost less, background while it stays within the budget, and every
-  ``probe_every`` saves the other mode is measured again, because what the background costs
-  changes with what else runs on the host.
+  The second save of a run is a foreground probe, unless an earlier run on the same root
+  journaled that cost (:meth:`Governor.observe_history`): a restarted process then starts from
+  it instead of paying a synchronous save, its cold one, after every restart. From then on
+  each save runs in the mode whose recent saves cost less, background while it stays within
+  the budget, and every ``probe_every`` saves the other mode is measured again, because what
+  the background costs changes with what else runs on the host.
 
 Work that no save needs (the idle scrub) asks :meth:`Governor.idle_work_waits` before each
 step: it waits while the saves' background work is measured costlier than its budget, and
@@ -36,7 +38,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashckpt.engine.runtime.hostcpu import IdleCpu
 from flashckpt.engine.runtime.meter import RunMeter
@@ -70,6 +74,7 @@ class Governor:
     priority: str = "unmanaged"  # the background threads' CPU level (engine/runtime/priority.py)
     saturated: bool = False  # background work measured costlier than its budget: idle work waits
     host: IdleCpu = field(default_factory=IdleCpu)  # whether the host has a core to spare
+    inherited_s: float | None = None  # the foreground cost taken from an earlier run's journal
 
     def __post_init__(self) -> None:
         self.meter.on_cost = self._settled
@@ -94,6 +99,20 @@ class Governor:
         """The save being measured is durable (``until``: set when its promotion ended)."""
         with self._lock:
             self.meter.durable(blocking_s=blocking_s, background_s=background_s, until=until)
+
+    def observe_history(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Start from the newest foreground cost a run of this rank journaled (``governor``
+        events), so a restarted process skips the foreground probe."""
+        rank = self.journal.rank if self.journal is not None else None
+        for e in reversed(events):
+            if e.get("event") != "governor" or e.get("rank") != rank:
+                continue
+            fg = e.get("foreground_cost_s")
+            if type(fg) in (int, float) and 0 <= fg < 1e6:  # the newest measured one
+                with self._lock:
+                    self.costs[FOREGROUND].append(float(fg))
+                    self.inherited_s = float(fg)
+                return
 
     def idle_work_waits(self) -> bool:
         """Whether work that no save needs must wait now (see the module)."""

@@ -49,7 +49,10 @@ class RunMarker:
         self._t0 = time.time()
         self._stepped = False  # the launcher was told of the first step (role.say_stepped)
 
-    def start(self, store: CheckpointStore, save_policy: Any) -> None:
+    def start(self, store: CheckpointStore, save_policy: Any, *learners: Any) -> None:
+        """Journal the crash of the previous run (if any), open this run's marker, and give
+        the journal's history to the save policy and to each of ``learners`` (each has
+        ``observe_history(events)``: the governor's foreground cost, engine/runtime/governor.py)."""
         crashed = _exists(self.root, self.rel)
         if crashed and self.primary:
             last = _read(self.root, self.rel).get("step")
@@ -71,9 +74,12 @@ class RunMarker:
             self.root, self.rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True
         )
         self.tick(None)
-        observe = getattr(save_policy, "observe_history", None)
-        if observe is not None:
-            observe(read_events(self.journal.path))
+        observers = [getattr(x, "observe_history", None) for x in (save_policy, *learners)]
+        observers = [o for o in observers if o is not None]
+        if observers:
+            events = read_events(self.journal.path)  # once: a long run's journal is large
+            for observe in observers:
+                observe(events)
 
     def tick(self, step: int | None) -> None:
         if self._fd is None:

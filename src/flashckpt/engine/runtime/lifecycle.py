@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,8 @@ class RunMarker:
             self.root, self.rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True
         )
         self.tick(None)
-        observers = [getattr(x, "observe_history", None) for x in (save_policy, *learners)]
-        observers = [o for o in observers if o is not None]
+        found = [getattr(x, "observe_history", None) for x in (save_policy, *learners)]
+        observers: list[Callable[[list[dict[str, Any]]], None]] = [o for o in found if o]
         if observers:
             events = read_events(self.journal.path)  # once: a long run's journal is large
             for observe in observers:

@@ -27,6 +27,7 @@ from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.engine.runtime.priority import ThreadPriority
 from flashckpt.engine.save.context import SideStreams, build_context, wait_for_host_copies
 from flashckpt.engine.save.fingerprint import Fingerprinter
+from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.save.hooks import (
     MutationGuard,
@@ -136,6 +137,11 @@ class SavePath:
             self.inflight.raise_pending()
         if not self.options.async_save:
             self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)
+        with paused_gc():  # a few objects per tensor: no full collections meanwhile (gcpause.py)
+            return self._save(step, state, t0)
+
+    def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:
+        """:meth:`save` once the save in flight is out of the way: capture, job, run."""
         refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
         captured = capture(state)
         if self.dist is not None:  # keep what this rank writes; per-rank keys renamed

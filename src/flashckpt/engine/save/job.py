@@ -24,6 +24,7 @@ import torch
 from flashckpt.engine.save.context import SaveContext
 from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
+from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
 from flashckpt.engine.save.hooks import MutationGuard
 from flashckpt.engine.save.layout import ChunkPlan
@@ -111,7 +112,8 @@ class SaveJob:
             self.handle.staged.set_result(stats)
             self._flush()
             # while the workers write: the manifest's tensor entries and their JSON
-            self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
+            with paused_gc():  # three objects per tensor (engine/save/gcpause.py)
+                self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
             for f in self._pending:
                 f.result()
             self._raise_if_failed()

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from flashckpt.state.capture import TensorItem
 
 
-@dataclass(frozen=True, kw_only=True)
-class Piece:
+class Piece(NamedTuple):
+    """``length`` bytes at ``start`` of item number ``item``'s data (a tuple: a save makes one
+    per small tensor, and a tuple is the cheapest immutable record to make)."""
+
     item: int  # index into the save's items
     start: int  # byte offset inside the item's data
     length: int
@@ -43,7 +46,7 @@ def plan_chunks(
     chunks: list[ChunkPlan] = []
     packs: dict[str, ChunkPlan] = {}
     for idx, item in enumerate(items):
-        n = item.nbytes
+        n = item.data.numel()  # (item.nbytes, without the property call)
         dev = device_of(item.data)
         if n < pack_threshold_bytes:
             pack = packs.get(dev)
@@ -53,7 +56,7 @@ def plan_chunks(
                 chunks.append(pack)
             if pack.itemsize != itemsizes[idx]:
                 pack.itemsize = 1
-            pack.pieces.append(Piece(item=idx, start=0, length=n))
+            pack.pieces.append(Piece(idx, 0, n))
             pack.size += n
             continue
         for start in range(0, n, chunk_bytes):

@@ -81,21 +81,16 @@ def _tensors(
 ) -> dict[str, TensorEntry]:
     """Each tensor's shard as extents of the stored chunks (``stored_index[ci]``: where chunk
     ``ci`` of the layout is stored)."""
-    extents: dict[int, list[Extent]] = {}
+    extents: list[tuple[Extent, ...]] = [()] * len(captured.items)  # per item, in order
     for ci, chunk in enumerate(chunks):
-        off = 0
-        for piece in chunk.pieces:
-            ext = Extent(chunk=stored_index[ci], offset=off, length=piece.length)
-            extents.setdefault(piece.item, []).append(ext)
-            off += piece.length
+        off, stored = 0, stored_index[ci]
+        for idx, _start, length in chunk.pieces:
+            extents[idx] += (Extent(chunk=stored, offset=off, length=length),)
+            off += length
     tensors = {}
-    for idx, item in enumerate(captured.items):
-        shard = Shard(
-            offset=item.global_offset,
-            shape=item.shape,
-            extents=tuple(extents.get(idx, ())),
-            rank=ctx.rank,
-        )
+    rank = ctx.rank
+    for item, ext in zip(captured.items, extents):
+        shard = Shard(offset=item.global_offset, shape=item.shape, extents=ext, rank=rank)
         tensors[item.key] = TensorEntry(
             key=item.key,
             kind=item.kind,

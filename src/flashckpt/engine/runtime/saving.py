@@ -25,7 +25,12 @@ from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.engine.runtime.priority import ThreadPriority
-from flashckpt.engine.save.context import SideStreams, build_context, wait_for_host_copies
+from flashckpt.engine.save.context import (
+    DraftMemo,
+    SideStreams,
+    build_context,
+    wait_for_host_copies,
+)
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
@@ -100,6 +105,7 @@ class SavePath:
         self.streams = SideStreams()  # one side stream per device, for every save
         # which CPU chunks changed at the last direct save (engine/save/job.py _stage_direct)
         self.hints: dict[tuple[Any, ...], bool] = {}
+        self.drafts = DraftMemo()  # the last save's manifest draft (engine/save/manifests.py)
         # what each async save costs the loop, and whether the next runs in the background
         self.governor = Governor(
             journal=journal,
@@ -198,6 +204,7 @@ class SavePath:
             world_size=self.world_size,
             direct=tier.name == "memory",  # the staged copy is the memory tier's copy
             hints=self.hints,
+            drafts=self.drafts,
             streams=self.streams,
             lineage=self.lineage() if self.lineage is not None else None,
         )

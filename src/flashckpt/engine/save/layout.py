@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from flashckpt.state.capture import TensorItem
@@ -70,3 +71,16 @@ def plan_chunks(
                 )
             )
     return chunks
+
+
+SMALL_PIECE_BYTES = 4096
+
+
+def joined(views: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """The ``size`` bytes of a chunk's pieces ``views`` as one array when they are many and
+    small on average: one copy of a few KiB costs less than what each piece costs on its own
+    (a hash update, a write call: about 1.5 us for each 64-byte tensor of a pack). Pieces of
+    larger tensors are handed on as they are (every byte moves once)."""
+    if len(views) > 1 and size <= SMALL_PIECE_BYTES * len(views):
+        return [np.concatenate(views)]
+    return views

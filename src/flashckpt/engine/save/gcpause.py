@@ -4,9 +4,9 @@ A save makes a handful of small objects per tensor (its capture item, its place 
 layout, its manifest entry). Every 700 such allocations start a collection of the young
 generation, and once enough objects survived those, a *full* collection walks every object of
 the process (the model's tensors included): for a state of 50,000 small tensors that was 4-5
-full collections per save, 60% of its time (27 us of 45 us per tensor before the pause, 15 us
-with it, benchmarks/tensor_cost.py). Nothing a save makes is a reference cycle the collector
-would need to free; reference counting frees it all.
+full collections per save, half its time (a synchronous save of benchmarks/tensor_cost.py's
+state: 27.7 us per tensor, 14.7 with the pause). Nothing a save makes is a reference cycle the
+collector would need to free; reference counting frees it all.
 
 :func:`paused_gc` disables the automatic collector for the duration of a ``with`` block and
 enables it again after, only if it was enabled when the first of the overlapping pauses began

@@ -143,12 +143,12 @@ class SavePath:
             self.inflight.raise_pending()
         if not self.options.async_save:
             self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)
+        refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
         with paused_gc():  # a few objects per tensor: no full collections meanwhile (gcpause.py)
             return self._save(step, state, t0)
 
     def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:
         """:meth:`save` once the save in flight is out of the way: capture, job, run."""
-        refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
         captured = capture(state)
         if self.dist is not None:  # keep what this rank writes; per-rank keys renamed
             self.dist.split(captured, state)

@@ -30,7 +30,9 @@ import torch
 
 from flashckpt.errors import ManifestError, UnsupportedStateError
 
-_TAGS = ("__t__", "__np__", "__tuple__", "__dict__", "__float__", "__npscalar__", "__bytes__")
+_TAGS = frozenset(
+    ("__t__", "__np__", "__tuple__", "__dict__", "__float__", "__npscalar__", "__bytes__")
+)
 _MAX_BYTES_LEAF = 1 << 20
 _MAX_DEPTH = 200
 
@@ -81,7 +83,15 @@ class Encoder:
 
     def _dict(self, obj: dict[Any, Any], path: str, depth: int) -> Any:
         plain = all(isinstance(k, str) and k not in _TAGS for k in obj)
-        if plain:
+        if plain and depth < _MAX_DEPTH:  # a tensor value without a call of encode (most
+            tensor, leaf, encode = torch.Tensor, self._leaf, self.encode  # of a state_dict)
+            return {
+                k: {"__t__": leaf(f"{path}/{k}", v)}
+                if isinstance(v, tensor)
+                else encode(v, f"{path}/{k}", depth + 1)
+                for k, v in obj.items()
+            }
+        if plain:  # at the depth limit: encode refuses whatever the dict holds
             return {k: self.encode(v, f"{path}/{k}", depth + 1) for k, v in obj.items()}
         pairs = []
         for k, v in obj.items():
@@ -113,8 +123,12 @@ class Encoder:
             key = f"{path}#{n}"
             n += 1
         self._keys.add(key)
-        self.leaves.append(Leaf(key=key, value=value))
+        self.add_leaf(key, value)
         return key
+
+    def add_leaf(self, key: str, value: torch.Tensor | np.ndarray) -> None:
+        """Record a tensor leaf under its unique ``key`` (a subclass may take it instead)."""
+        self.leaves.append(Leaf(key=key, value=value))
 
 
 def encode_tree(obj: Any, path: str) -> tuple[Any, list[Leaf]]:

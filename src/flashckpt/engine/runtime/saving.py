@@ -25,8 +25,14 @@ from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
 from flashckpt.engine.runtime.meter import RunMeter
 from flashckpt.engine.runtime.priority import ThreadPriority
-from flashckpt.engine.save.context import SideStreams, build_context, wait_for_host_copies
+from flashckpt.engine.save.context import (
+    DraftMemo,
+    SideStreams,
+    build_context,
+    wait_for_host_copies,
+)
 from flashckpt.engine.save.fingerprint import Fingerprinter
+from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.save.hooks import (
     MutationGuard,
@@ -99,6 +105,7 @@ class SavePath:
         self.streams = SideStreams()  # one side stream per device, for every save
         # which CPU chunks changed at the last direct save (engine/save/job.py _stage_direct)
         self.hints: dict[tuple[Any, ...], bool] = {}
+        self.drafts = DraftMemo()  # the last save's manifest draft (engine/save/manifests.py)
         # what each async save costs the loop, and whether the next runs in the background
         self.governor = Governor(
             journal=journal,
@@ -137,6 +144,11 @@ class SavePath:
         if not self.options.async_save:
             self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)
         refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
+        with paused_gc():  # a few objects per tensor: no full collections meanwhile (gcpause.py)
+            return self._save(step, state, t0)
+
+    def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:
+        """:meth:`save` once the save in flight is out of the way: capture, job, run."""
         captured = capture(state)
         if self.dist is not None:  # keep what this rank writes; per-rank keys renamed
             self.dist.split(captured, state)
@@ -192,6 +204,7 @@ class SavePath:
             world_size=self.world_size,
             direct=tier.name == "memory",  # the staged copy is the memory tier's copy
             hints=self.hints,
+            drafts=self.drafts,
             streams=self.streams,
             lineage=self.lineage() if self.lineage is not None else None,
         )

@@ -52,6 +52,18 @@ class SaveContext:
     # region of a chunk -> whether it changed at the last save (copy first when it did)
     hints: dict[tuple[Any, ...], bool] = field(default_factory=dict)
     lineage: Lineage | None = None  # the writer's (store/format/lineage.py)
+    # the last save's manifest draft and what it was made from (engine/save/manifests.py)
+    drafts: DraftMemo = field(default_factory=lambda: DraftMemo())
+
+
+class DraftMemo:
+    """One Checkpointer's last manifest draft, kept so that a save laid out exactly like the
+    one before (the same keys, dtypes, shapes and chunk layout: every save of a training run
+    but the first) reuses its tensor entries and their JSON (engine/save/manifests.py). Set
+    and read as one tuple (a save's draft is made on one thread at a time)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, Any] | None = None  # (layout signature, Draft)
 
 
 class SideStreams:
@@ -104,6 +116,7 @@ def build_context(
     hints: dict[tuple[Any, ...], bool] | None = None,
     streams: SideStreams | None = None,
     lineage: Lineage | None = None,
+    drafts: DraftMemo | None = None,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
@@ -148,5 +161,6 @@ def build_context(
         direct=direct,
         hints=hints if hints is not None else {},
         lineage=lineage,
+        drafts=drafts if drafts is not None else DraftMemo(),
     )
     return chunks, ctx

@@ -24,9 +24,10 @@ import torch
 from flashckpt.engine.save.context import SaveContext
 from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
+from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
 from flashckpt.engine.save.hooks import MutationGuard
-from flashckpt.engine.save.layout import ChunkPlan
+from flashckpt.engine.save.layout import ChunkPlan, joined
 from flashckpt.engine.save.ledger import ChunkLedger
 from flashckpt.engine.save.manifests import Draft, draft, job_manifest
 from flashckpt.engine.save.staging import StagingPool
@@ -111,7 +112,8 @@ class SaveJob:
             self.handle.staged.set_result(stats)
             self._flush()
             # while the workers write: the manifest's tensor entries and their JSON
-            self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
+            with paused_gc():  # three objects per tensor (engine/save/gcpause.py)
+                self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
             for f in self._pending:
                 f.result()
             self._raise_if_failed()
@@ -136,7 +138,11 @@ class SaveJob:
                 for p in chunk.pieces:
                     arr = host.get(p.item)
                     if arr is None:
-                        arr = host[p.item] = items[p.item].data.numpy()
+                        arr = items[p.item].data.numpy()
+                        if p.length == arr.size:  # all of it: a small tensor of a pack
+                            views.append(arr)
+                            continue
+                        host[p.item] = arr
                     views.append(arr[p.start : p.start + p.length])
                 self._stage_cpu(ci, chunk, views)
             else:
@@ -152,7 +158,7 @@ class SaveJob:
         if self.ctx.direct:
             if self._direct is None:
                 self._direct = DirectStager(self.ctx, reuse=self._reuse, landed=self.ledger.landed)
-            self._direct.stage(ci, chunk, views, region(self.captured, chunk))
+            self._direct.stage(ci, chunk, joined(views, chunk.size), region(self.captured, chunk))
             return
         h = codecs.hash_parts(views)
         if self._reuse(ci, h, chunk.size):
@@ -161,13 +167,14 @@ class SaveJob:
         slot = self._acquire(chunk.size)
         try:
             buf = pool.view(slot, chunk.size).numpy()
-            pos = 0
-            for v in views:
-                # numpy's single-threaded memcpy, not Tensor.copy_: from this background thread
-                # torch would start its own intra-op thread team and fight the training
-                # thread's for the cores (measured 3-40x slower and erratic on a busy host).
-                np.copyto(buf[pos : pos + v.size], v.reshape(-1))
-                pos += v.size
+            # numpy's single-threaded memcpy, not Tensor.copy_: from this background thread
+            # torch would start its own intra-op thread team and fight the training thread's
+            # for the cores (measured 3-40x slower and erratic on a busy host); all the pieces
+            # in one call (a pack of small tensors: one call per piece cost 1 us each)
+            if len(views) == 1:
+                np.copyto(buf, views[0])
+            else:
+                np.concatenate(views, out=buf)
         except BaseException:
             pool.release(slot)
             raise
@@ -277,6 +284,7 @@ class SaveJob:
             if self._error is not None:
                 return
             if h is None:
+                bufs = joined(bufs, size)  # (a synchronous save's pack of small tensors)
                 h = codecs.hash_parts(bufs)
                 if fingerprint is not None and fingerprint[1] is not None:
                     self._new_fingerprints[fingerprint[0]] = (fingerprint[1], h)

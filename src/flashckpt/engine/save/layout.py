@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from flashckpt.state.capture import TensorItem
 
 
-@dataclass(frozen=True, kw_only=True)
-class Piece:
+class Piece(NamedTuple):
+    """``length`` bytes at ``start`` of item number ``item``'s data (a tuple: a save makes one
+    per small tensor, and a tuple is the cheapest immutable record to make)."""
+
     item: int  # index into the save's items
     start: int  # byte offset inside the item's data
     length: int
@@ -43,7 +47,7 @@ def plan_chunks(
     chunks: list[ChunkPlan] = []
     packs: dict[str, ChunkPlan] = {}
     for idx, item in enumerate(items):
-        n = item.nbytes
+        n = item.data.numel()  # (item.nbytes, without the property call)
         dev = device_of(item.data)
         if n < pack_threshold_bytes:
             pack = packs.get(dev)
@@ -53,7 +57,7 @@ def plan_chunks(
                 chunks.append(pack)
             if pack.itemsize != itemsizes[idx]:
                 pack.itemsize = 1
-            pack.pieces.append(Piece(item=idx, start=0, length=n))
+            pack.pieces.append(Piece(idx, 0, n))
             pack.size += n
             continue
         for start in range(0, n, chunk_bytes):
@@ -67,3 +71,16 @@ def plan_chunks(
                 )
             )
     return chunks
+
+
+SMALL_PIECE_BYTES = 4096
+
+
+def joined(views: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """The ``size`` bytes of a chunk's pieces ``views`` as one array when they are many and
+    small on average: one copy of a few KiB costs less than what each piece costs on its own
+    (a hash update, a write call: about 1.5 us for each 64-byte tensor of a pack). Pieces of
+    larger tensors are handed on as they are (every byte moves once)."""
+    if len(views) > 1 and size <= SMALL_PIECE_BYTES * len(views):
+        return [np.concatenate(views)]
+    return views

@@ -31,8 +31,25 @@ class Draft:
 
 
 def draft(*, chunks: list[ChunkPlan], captured: Captured, ctx: SaveContext) -> Draft:
+    """The draft of this save; the last save's (``ctx.drafts``) when it was made from the same
+    layout: its entries are immutable, so only the dict that holds them is new."""
+    key = _layout_key(chunks, captured, ctx.rank)
+    last = ctx.drafts.last
+    if last is not None and last[0] == key:
+        return Draft(tensors=dict(last[1].tensors), text=last[1].text)
     tensors = _tensors(list(range(len(chunks))), chunks, captured, ctx)
-    return Draft(tensors=tensors, text=tensors_json(tensors))
+    made = Draft(tensors=tensors, text=tensors_json(tensors))
+    ctx.drafts.last = (key, Draft(tensors=dict(tensors), text=made.text))  # (a manifest may
+    return made  # change its own dict: the memo keeps another)
+
+
+def _layout_key(chunks: list[ChunkPlan], captured: Captured, rank: int) -> tuple[Any, ...]:
+    """Everything :func:`_tensors` reads to make a draft: each item's key, kind, dtype, shape
+    and place in the global tensor, and each chunk's pieces (item, start, length)."""
+    items = [
+        (i.key, i.kind, i.dtype, i.shape, i.global_shape, i.global_offset) for i in captured.items
+    ]
+    return (rank, items, [c.pieces for c in chunks])
 
 
 def job_manifest(
@@ -81,21 +98,16 @@ def _tensors(
 ) -> dict[str, TensorEntry]:
     """Each tensor's shard as extents of the stored chunks (``stored_index[ci]``: where chunk
     ``ci`` of the layout is stored)."""
-    extents: dict[int, list[Extent]] = {}
+    extents: list[tuple[Extent, ...]] = [()] * len(captured.items)  # per item, in order
     for ci, chunk in enumerate(chunks):
-        off = 0
-        for piece in chunk.pieces:
-            ext = Extent(chunk=stored_index[ci], offset=off, length=piece.length)
-            extents.setdefault(piece.item, []).append(ext)
-            off += piece.length
+        off, stored = 0, stored_index[ci]
+        for idx, _start, length in chunk.pieces:
+            extents[idx] += (Extent(chunk=stored, offset=off, length=length),)
+            off += length
     tensors = {}
-    for idx, item in enumerate(captured.items):
-        shard = Shard(
-            offset=item.global_offset,
-            shape=item.shape,
-            extents=tuple(extents.get(idx, ())),
-            rank=ctx.rank,
-        )
+    rank = ctx.rank
+    for item, ext in zip(captured.items, extents):
+        shard = Shard(offset=item.global_offset, shape=item.shape, extents=ext, rank=rank)
         tensors[item.key] = TensorEntry(
             key=item.key,
             kind=item.kind,

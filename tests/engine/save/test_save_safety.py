@@ -173,7 +173,7 @@ def test_failed_init_releases_the_writer_lock(tmp_path):
 
 
 def test_init_failing_late_releases_root_and_tier_locks(tmp_path, monkeypatch):
-    def broken(self, store, policy):
+    def broken(self, store, policy, *learners):
         raise OSError(28, "No space left on device (injected)")
 
     mem = tmp_path / "mem"

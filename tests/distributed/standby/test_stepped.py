@@ -60,3 +60,34 @@ def test_the_checkpointer_says_it_at_the_first_step(
         ckpt.save(1, state)
         assert os.read(r, 64) == b"stepped\n"
     os.close(r)
+
+
+def _active(stepped_r: int):
+    from flashckpt.distributed.standby.procs import Member, RankSet
+
+    member = Member(proc=None, rank=0, stepped_r=stepped_r)  # type: ignore[arg-type]
+    return RankSet(generation=1, standby=False, port=None, members=[member])
+
+
+def test_the_launcher_starts_a_standby_at_the_first_step_or_after_settle_max() -> None:
+    import time
+
+    from flashckpt.distributed.standby import supervise
+    from flashckpt.distributed.standby.supervise import Supervisor
+
+    sup = Supervisor(["true"], standby=1, say=lambda _: None)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    sup.active = _active(r)
+    assert not sup._settled()  # started, not stepped yet
+    sup.active.active_t -= supervise.SETTLE_MAX_S + 1
+    assert sup._settled()  # a script that never steps through a Checkpointer
+    sup.active.active_t = time.time()
+    os.write(w, roles.STEPPED + b"\n")
+    assert sup._settled() and sup._settled()  # said once, remembered
+    os.close(w)
+    r2, w2 = os.pipe()
+    os.set_blocking(r2, False)
+    sup.active = _active(r2)
+    os.close(w2)  # it died, or closed the pipe, without a word: nothing to wait for
+    assert sup._settled()

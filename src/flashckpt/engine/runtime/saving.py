@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from flashckpt.engine import device as devices
+from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.options import Options
 from flashckpt.engine.runtime.governor import FOREGROUND, Governor
 from flashckpt.engine.runtime.inflight import InFlight
@@ -32,7 +33,6 @@ from flashckpt.engine.save.context import (
     wait_for_host_copies,
 )
 from flashckpt.engine.save.fingerprint import Fingerprinter
-from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.save.hooks import (
     MutationGuard,
@@ -129,6 +129,7 @@ class SavePath:
         self.stager.shutdown(wait=True)
         self.workers.shutdown(wait=True)
         self.pool.close()
+        self.drafts.last = None  # (its entries: objects every collection walks)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         t0 = time.perf_counter()
@@ -144,7 +145,7 @@ class SavePath:
         if not self.options.async_save:
             self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)
         refuse_existing(self.tiers.tiers, step, damaged=self.damaged, journal=self.journal)
-        with paused_gc():  # a few objects per tensor: no full collections meanwhile (gcpause.py)
+        with paused_gc():  # a few objects per tensor: no full collections (engine/gcpause.py)
             return self._save(step, state, t0)
 
     def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.save.context import SaveContext
 from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
-from flashckpt.engine.save.gcpause import paused_gc
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
 from flashckpt.engine.save.hooks import MutationGuard
 from flashckpt.engine.save.layout import ChunkPlan, joined
@@ -112,7 +112,7 @@ class SaveJob:
             self.handle.staged.set_result(stats)
             self._flush()
             # while the workers write: the manifest's tensor entries and their JSON
-            with paused_gc():  # three objects per tensor (engine/save/gcpause.py)
+            with paused_gc():  # three objects per tensor (engine/gcpause.py)
                 self._draft = draft(chunks=self.chunks, captured=self.captured, ctx=self.ctx)
             for f in self._pending:
                 f.result()

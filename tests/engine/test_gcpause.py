@@ -1,5 +1,5 @@
 """The cyclic collector is held off while a save builds its per-tensor objects
-(engine/save/gcpause.py), and left as the program had it afterwards."""
+(engine/gcpause.py), and left as the program had it afterwards."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.engine.save import gcpause
-from flashckpt.engine.save.gcpause import paused_gc
+from flashckpt.engine import gcpause
+from flashckpt.engine.gcpause import paused_gc
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,9 @@ generation, and once enough objects survived those, a *full* collection walks ev
 the process (the model's tensors included): for a state of 50,000 small tensors that was 4-5
 full collections per save, half its time (a synchronous save of benchmarks/tensor_cost.py's
 state: 27.7 us per tensor, 14.7 with the pause). Nothing a save makes is a reference cycle the
-collector would need to free; reference counting frees it all.
+collector would need to free; reference counting frees it all. (The save path uses it:
+engine/runtime/saving.py, engine/save/job.py; a restore building per-tensor objects can use it
+the same way.)
 
 :func:`paused_gc` disables the automatic collector for the duration of a ``with`` block and
 enables it again after, only if it was enabled when the first of the overlapping pauses began

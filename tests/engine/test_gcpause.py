@@ -95,3 +95,32 @@ def test_failed_save_resumes_the_collector(tmp_path) -> None:
         with pytest.raises(flashckpt.errors.UnsupportedStateError):
             ck.save(1, {"bad": {"x": object()}})
     assert gc.isenabled()
+
+
+class LoadProbe(Probe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: list[bool] = []
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loaded.append(gc.isenabled())
+
+
+def test_restore_plans_and_loads_with_the_collector_paused(tmp_path) -> None:
+    """A restore after a save in the same process ran twice the full collections it used to
+    once saves stopped setting them off (80 against 25-27 us per small tensor, i26s's probe):
+    restore holds the collector off too, and gives it back."""
+    with flashckpt.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"p": Probe()})
+        probe = LoadProbe()
+        assert ck.restore({"p": probe}) == 1
+        assert gc.isenabled()
+    assert probe.loaded == [False]
+
+
+def test_a_failed_restore_resumes_the_collector(tmp_path) -> None:
+    with flashckpt.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"p": Probe()})
+        with pytest.raises(flashckpt.errors.StateMismatchError):
+            ck.restore({"other": LoadProbe()})
+    assert gc.isenabled()

@@ -13,6 +13,7 @@ from typing import Any
 
 from flashckpt.distributed.runtime import DistRuntime
 from flashckpt.engine import device as devices
+from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.options import Options, Replication, check_step
 from flashckpt.engine.restore.lineage import open_branch, owned_memory
 from flashckpt.engine.restore.load import Attempt, restore_from_tiers
@@ -404,21 +405,22 @@ class Checkpointer:
         self._marker.restoring()  # times a restart (engine/runtime/restart.py)
         self._wait_current()
         attempt = Attempt()
-        try:
-            got = restore_from_tiers(
-                state,
-                step,
-                tiers=self._tiers,
-                store=self.store,
-                dist=self._dist,
-                journal=self.journal,
-                strict=strict,
-                rank=self.rank,
-                readers=self.options.readers,
-                attempt=attempt,
-                branch=self._branch,
-                owned=owned_memory(self._tiers, self.rank if self._dist else None),
-            )
+        try:  # the plan makes a few objects per tensor: no full collections meanwhile
+            with paused_gc():
+                got = restore_from_tiers(
+                    state,
+                    step,
+                    tiers=self._tiers,
+                    store=self.store,
+                    dist=self._dist,
+                    journal=self.journal,
+                    strict=strict,
+                    rank=self.rank,
+                    readers=self.options.readers,
+                    attempt=attempt,
+                    branch=self._branch,
+                    owned=owned_memory(self._tiers, self.rank if self._dist else None),
+                )
         finally:  # a step damaged in every tier may be saved again (engine/save/steps.py)
             self._saver.damaged |= attempt.damaged
         if got is not None:

@@ -12,6 +12,8 @@ It runs ``--repeats`` rounds; each round measures, back to back in the same proc
 - **memcpy**: ``torch.Tensor.copy_`` between two large buffers on 1 thread and on all threads,
   and numpy's copy (glibc ``memcpy``, 1 thread);
 - **flashckpt from the memory tier**: restore of a checkpoint saved with ``memory_tier=--shm``;
+- **the memory tier's floor**: its chunk files read (no hash) into one buffer by one thread per
+  CPU (on a tmpfs the kernel's per-page work, not memcpy, bounds a read);
 - **raw read**: a file of the state's size on ``--dir`` read sequentially in 16 MiB pieces with
   the page cache dropped, buffered (like ``dd bs=16M``) and with ``O_DIRECT``;
 - **flashckpt from the disk**: the same checkpoint's local copy, page cache dropped (cold), then
@@ -44,6 +46,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +185,33 @@ def raw_read_gbps(path: Path, d: Path) -> dict[str, float]:
     return out
 
 
+def tier_read_gbps(mem: Path) -> dict[str, float]:
+    """The memory tier's floor: every chunk file of ``mem`` read (no hash, no placement) into
+    one buffer by one thread per CPU, largest first, as the restore's readers do."""
+    files = sorted(
+        (p for p in (mem / "chunks").rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size
+    )
+    sizes = [p.stat().st_size for p in files]
+    buf = np.empty(sum(sizes), dtype=np.uint8)
+    buf[:] = 0  # touched, like live tensors
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    view = memoryview(buf)
+
+    def one(i: int) -> None:
+        fd = os.open(files[i], os.O_RDONLY)
+        try:
+            at, end = starts[i], starts[i] + sizes[i]
+            while at < end:
+                at += os.readv(fd, [view[at : min(end, at + PIECE)]])
+        finally:
+            os.close(fd)
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with ThreadPoolExecutor(cpus or 1) as ex:
+        t = best(lambda: list(ex.map(one, range(len(files)))), 1)
+    return {"tier_read_all_threads": sum(sizes) / t / 1e9}
+
+
 # -- flashckpt, interleaved with the limits it is compared to -----------------------------------
 def rounds(
     state: dict[str, torch.Tensor], d: Path, shm: Path, repeats: int
@@ -211,6 +241,7 @@ def rounds(
         for _ in range(repeats):
             r = memcpy_gbps(src, dst)
             r["flashckpt_memory"] = nbytes / best(restore, 1) / 1e9
+            r.update(tier_read_gbps(mem))
             r.update(raw_read_gbps(raw, d))
             cold = nbytes / best(lambda: restore(memory_tier=no_mem), 1, lambda: drop_caches(d))
             r["flashckpt_disk_cold"] = cold / 1e9
@@ -298,7 +329,12 @@ def ratios(r: dict[str, float]) -> dict[str, float]:
     out = {}
     mem = r.get("flashckpt_memory")
     if mem:
-        for k in ("memcpy_1_thread", "memcpy_all_threads", "memcpy_numpy_1_thread"):
+        for k in (
+            "memcpy_1_thread",
+            "memcpy_all_threads",
+            "memcpy_numpy_1_thread",
+            "tier_read_all_threads",
+        ):
             if r.get(k):
                 out[f"memory_restore / {k}"] = mem / r[k]
     raw = max(r.get("raw_read_buffered", 0.0), r.get("raw_read_direct", 0.0))

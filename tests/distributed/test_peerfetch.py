@@ -62,10 +62,10 @@ def _unreadable(store: CheckpointStore, ref: ChunkRef) -> None:
     """Reading this chunk fails (an I/O error) although its file is there."""
     real = store.backend.read_into
 
-    def read_into(path: str, out: memoryview) -> int:
+    def read_into(path: str, out: memoryview, **kw: Any) -> int:
         if path == chunk_path(ref.hash, ref.codec):
             raise OSError(5, "Input/output error")
-        return real(path, out)
+        return real(path, out, **kw)
 
     store.backend.read_into = read_into  # type: ignore[method-assign]
 

@@ -94,8 +94,8 @@ def load_job(rank: int, world: int, root: str, sharded: bool = True) -> dict[str
             read_bytes[0] += len(data) if path.startswith("chunks/") else 0
             return data
 
-        def read_into(path: str, out: Any) -> int:
-            n = plain_into(path, out)
+        def read_into(path: str, out: Any, **kw: Any) -> int:
+            n = plain_into(path, out, **kw)
             read_bytes[0] += n if path.startswith("chunks/") else 0
             return n
 

@@ -349,7 +349,7 @@ def _punch(fd: int, offset: int) -> bool:
 
 
 def _reader(name: str) -> Any:
-    def call(self: LocalBackend, path: str, *args: Any) -> Any:
+    def call(self: LocalBackend, path: str, *args: Any, **kw: Any) -> Any:
         plan = _plan_for(self)
         if plan is not None:
             if plan.sabotage is not None:
@@ -360,7 +360,7 @@ def _reader(name: str) -> Any:
                 time.sleep(plan.rng("slow", path).uniform(0.001, 0.01))
             if plan.draw("eio_list" if name == "list" else "eio_read", name, path):
                 raise _err(name, self, path, errno.EIO, "injected")
-        return _ORIG[name](self, path, *args)
+        return _ORIG[name](self, path, *args, **kw)
 
     return call
 

@@ -130,10 +130,13 @@ class CheckpointStore:
     def read_chunk_into(
         self, ref: ChunkRef, out: memoryview, *, step: int | None = None, key: str | None = None
     ) -> None:
-        """Read a raw chunk straight into ``out`` (exactly ``ref.size`` bytes) and verify it."""
+        """Read a raw chunk straight into ``out`` (exactly ``ref.size`` bytes) and verify it:
+        one pass, each cache-sized piece hashed right after it is read (``out`` is the
+        caller's: a damaged chunk has already written there when this raises)."""
         seen = self.liveness.before_read(ref)
+        digest = codecs.hasher()
         try:
-            n = self.backend.read_into(chunk_path(ref.hash, "raw"), out)
+            n = self.backend.read_into(chunk_path(ref.hash, "raw"), out, each=digest.update)
         except FileNotFoundError:
             raise _missing(ref, step, key) from None
         try:
@@ -145,7 +148,8 @@ class CheckpointStore:
                     key=key,
                     chunk=ref.hash,
                 )
-            self._check(ref, out, step=step, key=key)
+            if digest.hexdigest() != ref.hash:
+                raise _mismatch(ref, step, key)
         except CorruptCheckpointError as exc:
             raise self._damaged(ref, exc) from None
         self.liveness.verified(ref, seen)
@@ -173,13 +177,7 @@ class CheckpointStore:
     @staticmethod
     def _check(ref: ChunkRef, raw: Buffer, *, step: int | None, key: str | None) -> None:
         if len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash:
-            raise CorruptCheckpointError(
-                f"chunk {ref.hash} is damaged: its content does not match its hash "
-                f"(tensor {key!r}, step {step}); it will not be loaded",
-                step=step,
-                key=key,
-                chunk=ref.hash,
-            )
+            raise _mismatch(ref, step, key)
 
     def chunk_dirs(self, hashes: Sequence[str]) -> list[str]:
         return sorted({f"chunks/{h[:2]}" for h in hashes})
@@ -247,6 +245,16 @@ class CheckpointStore:
 
     def part_names(self) -> list[str]:
         return [n for n in self.backend.list("steps") if parse_part_name(n) is not None]
+
+
+def _mismatch(ref: ChunkRef, step: int | None, key: str | None) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"chunk {ref.hash} is damaged: its content does not match its hash "
+        f"(tensor {key!r}, step {step}); it will not be loaded",
+        step=step,
+        key=key,
+        chunk=ref.hash,
+    )
 
 
 def _missing(ref: ChunkRef, step: int | None, key: str | None) -> CorruptCheckpointError:

@@ -133,7 +133,8 @@ def _flip(path: Path, at: int = 100) -> None:
 def test_mapped_damaged_chunk_raises_with_the_live_state_untouched(tmp_path, mapped):
     """Regression: the memory tier's chunks were read into the live tensors and verified
     there, so a flipped byte in the last chunk left every other tensor overwritten ("partly
-    overwritten"). Mapped chunks are all verified before the first copy."""
+    overwritten"). A memory copy that no other tier backs is verified whole before the first
+    copy."""
     state = _state()
     with flashckpt.Checkpointer(tmp_path, chunk_size=CHUNK) as ck:
         ck.save(1, state)
@@ -149,6 +150,90 @@ def test_mapped_damaged_chunk_raises_with_the_live_state_untouched(tmp_path, map
     assert "partly overwritten" not in str(err.value)
     assert err.value.chunk == ref.hash
     assert _equal(before, live)
+
+
+def _memory_and_disk(tmp_path: Path, state: dict) -> tuple[Path, Path]:
+    """Step 1 of ``state`` in a memory tier (a plain directory made to count as in memory)
+    and promoted to the disk tier: two copies of the same step."""
+    root, mem = tmp_path / "root", tmp_path / "shm"
+    with flashckpt.Checkpointer(
+        root, memory_tier=mem, chunk_size=CHUNK, keep_memory_after_close=True
+    ) as ck:
+        ck.save(1, state)
+    assert (root / "steps").is_dir() and any(_chunk_files(mem))
+    return root, mem
+
+
+def test_memory_tier_backed_by_a_disk_copy_is_read_in_one_pass(tmp_path, mapped):
+    """Issue 26: with the same step on the disk as well, the memory tier is read straight into
+    the live tensors, each piece hashed as it lands (no map, no verify-first pass)."""
+    state = _state()
+    root, mem = _memory_and_disk(tmp_path, state)
+    live = _zeroed(state)
+    with flashckpt.Checkpointer(root, memory_tier=mem, chunk_size=CHUNK) as ck:
+        mapped.clear()  # promotion to the disk maps the tier's chunks: not the restore
+        assert ck.restore(live) == 1
+        assert mapped == []  # one pass: nothing was mapped and verified first
+
+
+def test_one_pass_memory_damage_falls_back_to_the_disk_copy(tmp_path, mapped):
+    """A flipped byte in the memory tier's copy, found after other tensors were overwritten:
+    the disk copy of the same step is loaded over everything, so the step returned is whole."""
+    state = _state()
+    root, mem = _memory_and_disk(tmp_path, state)
+    ref = _last_chunk_of(CheckpointStore(LocalBackend(mem)), "big")
+    _flip(mem / chunk_path(ref.hash, ref.codec))
+    live = _state(7)
+    with pytest.warns(RuntimeWarning, match="memory copy failed"):
+        with flashckpt.Checkpointer(root, memory_tier=mem, chunk_size=CHUNK) as ck:
+            assert ck.restore(live) == 1
+    assert _equal(state, live)
+
+
+def test_one_pass_damage_in_every_copy_never_returns_none(tmp_path, mapped):
+    """Both copies of the only step damaged: the live state was written, so the restore raises
+    "partly overwritten" instead of returning None (a fresh start on half-loaded weights)."""
+    state = _state()
+    root, mem = _memory_and_disk(tmp_path, state)
+    for where in (mem, root):
+        ref = _last_chunk_of(CheckpointStore(LocalBackend(where)), "big")
+        _flip(where / chunk_path(ref.hash, ref.codec))
+    with pytest.warns(RuntimeWarning):
+        with flashckpt.Checkpointer(root, memory_tier=mem, chunk_size=CHUNK) as ck:
+            with pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+                ck.restore(_state(7))
+
+
+def _last_chunk_of(store: CheckpointStore, key: str):
+    m = store.load_manifest(1)
+    return m.chunks[m.tensors[key].shards[0].extents[-1].chunk]
+
+
+def test_chunk_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch):
+    """read_chunk_into verifies while it reads: the hash sees every cache-sized piece right
+    after its read, in order, and a flip in a middle piece is found."""
+    monkeypatch.setattr(backend_mod, "EACH_PIECE", 4096)
+    store = CheckpointStore(LocalBackend(tmp_path))
+    data = os.urandom(5 * 4096 + 17)
+    ref = store.put_chunk(hash_parts([data]), len(data), [data], "raw")
+    pieces: list[int] = []
+    real = LocalBackend.read_into
+
+    def spy(self, path, out, *, each=None):
+        def seen(piece):
+            pieces.append(len(piece))
+            assert each is not None
+            each(piece)
+
+        return real(self, path, out, each=seen)
+
+    monkeypatch.setattr(LocalBackend, "read_into", spy)
+    out = bytearray(len(data))
+    store.read_chunk_into(ref, memoryview(out))
+    assert bytes(out) == data and pieces == [4096] * 5 + [17]
+    _flip(tmp_path / chunk_path(ref.hash, "raw"), at=2 * 4096 + 5)
+    with pytest.raises(CorruptCheckpointError, match=ref.hash):
+        store.read_chunk_into(ref, memoryview(bytearray(len(data))))
 
 
 def _one_tensor_checkpoint(tmp_path: Path, n: int = 40000) -> tuple[CheckpointStore, Manifest]:

@@ -83,11 +83,14 @@ def load_step(
     readers: int,
     journal: Journal | None,
     attempt: Attempt,
+    backed: bool = False,
 ) -> None:
     """Validate the manifest, match it to ``state`` (mismatches raise before any byte is read),
     read and verify the chunks in parallel straight into the targets, hand them over. The
     attempt records the step as having touched the live state only when the reader is about to
-    write the first byte (from the memory tier: after every raw chunk was verified)."""
+    write the first byte. ``backed``: a slower tier holds this step too, so a memory tier is
+    read in one pass (copy and verify together, engine/restore/reader.py) and damage found
+    there falls back to that copy; without one, every chunk is verified before the first write."""
     t0 = time.perf_counter()
     manifest = store.load_manifest(step)
     plan = plan_restore(state, manifest, strict=strict, rank=rank)
@@ -98,7 +101,7 @@ def load_step(
             attempt.touched = step
 
     with ThreadPoolExecutor(readers, thread_name_prefix="flashckpt-read") as ex:
-        loaded = read_plan(store, manifest, plan, ex, before_write=first_write)
+        loaded = read_plan(store, manifest, plan, ex, before_write=first_write, backed=backed)
     plan.finish(loaded)
     if journal is not None:
         journal.append(
@@ -108,6 +111,12 @@ def load_step(
             seconds=time.perf_counter() - t0,
             bytes=plan.nbytes,
         )
+
+
+def backed(copies: list[Any], copy: object) -> bool:
+    """Whether a slower copy of the same step follows ``copy`` in ``copies`` (fastest first):
+    damage found by a one-pass read of ``copy`` is then made whole by loading that copy."""
+    return any(c is copy for c in copies[:-1])
 
 
 def check_chunks_present(store: CheckpointStore, manifest: Manifest, plan: RestorePlan) -> None:
@@ -205,6 +214,7 @@ def restore_from_tiers(
     holders, verdict = judged_holders(tiers, journal, owned=owned)
 
     def load(s: int, t: Tier) -> None:
+        copies = holders.get(s, [])
         load_step(
             state,
             s,
@@ -215,6 +225,7 @@ def restore_from_tiers(
             readers=readers,
             journal=journal,
             attempt=attempt,
+            backed=backed(copies, t),
         )
 
     if dist is None:

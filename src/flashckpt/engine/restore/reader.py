@@ -2,15 +2,19 @@
 
 A chunk's verified bytes come one of two ways, chosen per store:
 
-* **mapped** (a backend whose files are in memory, ``backend.in_memory``: the memory tier).
+* **read** (disk, remote, and the memory tier when another tier holds the same step). A raw
+  chunk that is exactly one contiguous piece of a CPU target is read straight into the
+  target's memory and verified there in one pass (``CheckpointStore.read_chunk_into``: each
+  cache-sized piece is hashed right after the read put it there); any other raw chunk is read
+  into one scratch buffer (``readinto``, no ``bytes`` object), verified, and copied out. A
+  damaged chunk is found after bytes reached the live state: the restore then loads the other
+  tier's copy of the step, which overwrites every tensor (engine/restore/load.py).
+* **mapped** (the memory tier when it holds the only copy of the step, ``backed=False``).
   Every raw chunk the plan needs is mapped and hashed in parallel (``CheckpointStore.map_chunk``;
   xxh3 releases the GIL) *before* any byte reaches the live state, then copied from the map
-  straight into the targets: one copy, no intermediate buffer, and a damaged raw chunk raises
-  with the live state untouched.
-* **read** (disk, remote). A raw chunk that is exactly one contiguous piece of a CPU target is
-  read straight into the target's memory (large reads, sequential readahead) and verified
-  there; any other raw chunk is read into one scratch buffer (``readinto``, no ``bytes``
-  object), verified, and copied out.
+  into the targets: two passes instead of one (on a tmpfs the kernel's per-page cost bounds
+  both at about the same speed per thread), and a damaged raw chunk raises with the live state
+  untouched, since no other copy could make it whole again.
 
 Compressed chunks are decoded into scratch and verified before their bytes are copied.
 ``before_write`` is called once, just before the first byte can reach a target (after the
@@ -49,10 +53,10 @@ from flashckpt.store.store import CheckpointStore, maps_chunks
 class _ChunkCache:
     """Read-once cache with use counts: a chunk is dropped after its last use."""
 
-    def __init__(self, store: CheckpointStore, step: int) -> None:
+    def __init__(self, store: CheckpointStore, step: int, *, backed: bool) -> None:
         self.store = store
         self.step = step
-        self.mapped = maps_chunks(store)
+        self.mapped = maps_chunks(store) and not backed
         self._futs: dict[str, Future[torch.Tensor]] = {}
         self._uses: dict[str, int] = {}
         self._refs: dict[str, tuple[ChunkRef, str]] = {}
@@ -137,14 +141,16 @@ def read_plan(
     workers: Executor,
     *,
     before_write: Callable[[], None] | None = None,
+    backed: bool = False,
 ) -> dict[str, Any]:
-    """Read every planned tensor; returns ``{key: value for load_state_dict}``.
+    """Read every planned tensor; returns ``{key: value for load_state_dict}``. ``backed``:
+    another tier holds this step too, so a memory tier is read in one pass (see above).
 
     The work is one job per chunk, not per tensor: a chunk holding 10,000 small tensors is
     fetched and verified once and its pieces copied out in one loop (a future per tensor cost
     more than the copy). Resharded and device targets keep one job per shard (their boxes
     span chunks)."""
-    cache = _ChunkCache(store, manifest.step)
+    cache = _ChunkCache(store, manifest.step, backed=backed)
     pieces: dict[int, list[tuple[Extent, np.ndarray, str]]] = {}
     direct: list[tuple[ChunkRef, np.ndarray, str]] = []
     boxes: list[_Task] = []
@@ -189,12 +195,18 @@ def read_plan(
     cache.verify_mapped(workers)
     if before_write is not None:
         before_write()
-    jobs: list[Callable[[], None]] = [
-        partial(_read_direct, cache, ref, out, key) for ref, out, key in direct
+    # largest chunks first: the readers then end together instead of one finishing a 32 MiB
+    # chunk alone while the others are idle (on the memory tier the reads are CPU-bound)
+    jobs: list[tuple[int, Callable[[], None]]] = [
+        (ref.size, partial(_read_direct, cache, ref, out, key)) for ref, out, key in direct
     ]
-    jobs += [partial(_copy_pieces, cache, manifest.chunks[c], g) for c, g in pieces.items()]
-    jobs += [partial(_copy_box, task, manifest, cache) for task in boxes]
-    futs = [workers.submit(job) for job in jobs]
+    jobs += [
+        (manifest.chunks[c].size, partial(_copy_pieces, cache, manifest.chunks[c], g))
+        for c, g in pieces.items()
+    ]
+    jobs.sort(key=lambda job: -job[0])
+    futs = [workers.submit(job) for _, job in jobs]
+    futs += [workers.submit(_copy_box, task, manifest, cache) for task in boxes]
     for f in futs:
         f.result()
     return loaded

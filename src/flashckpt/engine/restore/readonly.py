@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flashckpt.engine.restore.load import Attempt, load_step, restore_newest
+from flashckpt.engine.restore.load import Attempt, backed, load_step, restore_newest
 from flashckpt.engine.tiers.config import CONFIG_NAME, list_tiers
 from flashckpt.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from flashckpt.store.lineage import judge_held
@@ -59,6 +59,7 @@ def restore(
     if not (p / "steps").is_dir() and not (p / CONFIG_NAME).is_file():
         return None
     attempt = Attempt()
+    holders: dict[int, list[Copy]] = {}
 
     def load(s: int, copy: Copy) -> None:
         load_step(
@@ -71,6 +72,7 @@ def restore(
             readers=readers,
             journal=None,
             attempt=attempt,
+            backed=backed(holders.get(s, []), copy),
         )
 
     for _ in range(_ROUNDS):

@@ -14,7 +14,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -47,12 +47,14 @@ class Backend(Protocol):
        Called once per commit, after all chunks and before the manifest.
     4. ``put`` of the manifest, then ``sync_dirs`` of its directory: the checkpoint now exists.
 
-    Reading: ``read(path)`` returns all bytes, ``read_into(path, out)`` fills ``out`` and returns
-    the byte count. A backend whose files live in memory may also offer ``in_memory = True``
-    and ``map(path)`` (see :meth:`LocalBackend.map`); readers look for them with ``getattr``.
-    ``delete(path)`` removes a file (missing is fine). Errors are raised as
-    :class:`~flashckpt.errors.StorageError` naming the path; a missing file on read raises
-    ``FileNotFoundError`` so the store can tell damage from unavailability.
+    Reading: ``read(path)`` returns all bytes, ``read_into(path, out, each=None)`` fills ``out``
+    and returns the byte count, calling ``each(piece)`` on every piece of ``out`` as soon as it
+    is filled (the store hashes a chunk while its bytes are still in the CPU cache). A backend
+    whose files live in memory may also offer ``in_memory = True`` and ``map(path)`` (see
+    :meth:`LocalBackend.map`); readers look for them with ``getattr``. ``delete(path)`` removes
+    a file (missing is fine). Errors are raised as :class:`~flashckpt.errors.StorageError`
+    naming the path; a missing file on read raises ``FileNotFoundError`` so the store can tell
+    damage from unavailability.
     """
 
     url: str
@@ -60,7 +62,9 @@ class Backend(Protocol):
 
     def put(self, path: str, parts: Sequence[Buffer]) -> int: ...
     def read(self, path: str) -> bytes: ...
-    def read_into(self, path: str, out: memoryview) -> int: ...
+    def read_into(
+        self, path: str, out: memoryview, *, each: Callable[[memoryview], object] | None = None
+    ) -> int: ...
     def exists(self, path: str) -> bool: ...
     def size(self, path: str) -> int: ...
     def list(self, prefix: str) -> list[str]: ...
@@ -223,18 +227,24 @@ class LocalBackend:
         finally:
             os.close(fd)
 
-    def read_into(self, path: str, out: memoryview) -> int:
+    def read_into(
+        self, path: str, out: memoryview, *, each: Callable[[memoryview], object] | None = None
+    ) -> int:
         """Fill ``out`` from the start of the file with large reads (the kernel is told the
         file is read sequentially, which widens its readahead); returns the bytes read, fewer
-        than ``len(out)`` when the file is shorter."""
+        than ``len(out)`` when the file is shorter. With ``each``, the reads are cache-sized
+        (``EACH_PIECE``) and ``each`` sees every piece right after it is read."""
+        piece = READ_PIECE if each is None else EACH_PIECE
         fd = self._open_read(path)
         try:
             _advise_sequential(fd)
             n = 0
             while n < len(out):
-                got = os.readv(fd, [out[n : n + READ_PIECE]])
+                got = os.readv(fd, [out[n : n + piece]])
                 if not got:
                     break
+                if each is not None:
+                    each(out[n : n + got])
                 n += got
             return n
         except OSError as exc:
@@ -352,6 +362,7 @@ class LocalBackend:
 
 
 READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing
+EACH_PIECE = 256 << 10  # bytes per read() when each piece is hashed: stays in the L2 cache
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 
 

@@ -153,10 +153,14 @@ class FsspecBackend:
             )
         return bytes(data)
 
-    def read_into(self, path: str, out: memoryview) -> int:
+    def read_into(
+        self, path: str, out: memoryview, *, each: Callable[[memoryview], object] | None = None
+    ) -> int:
         data = self.read(path)
         n = min(len(data), len(out))
         out[:n] = data[:n]
+        if each is not None and n:
+            each(out[:n])
         return len(data) if len(data) > len(out) else n
 
     def exists(self, path: str) -> bool:

@@ -8,6 +8,7 @@ before zstd (the exponent bytes of floats then compress together).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -17,6 +18,11 @@ from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.store.files.backend import Buffer
 
 ZSTD_LEVEL = 3
+
+
+def hasher() -> Any:
+    """A fresh streaming xxh3-128 (``update(buf)``, ``hexdigest()``): the chunk hash."""
+    return xxhash.xxh3_128()
 
 
 def hash_parts(parts: Sequence[Buffer]) -> str:

@@ -197,3 +197,25 @@ def test_keys_equal_once_canonical_are_refused(tmp_path: Path) -> None:
 
     with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError, match="_orig_mod"):
         ck.save(1, {"model": {"w": torch.zeros(1), "_orig_mod.w": torch.ones(1)}})
+
+
+def test_canonical_descends_into_what_only_looks_like_a_tensor_reference() -> None:
+    """canonical skips a saved tree's ``{"__t__": key}`` (its one key is no state key); a state
+    whose dict is keyed "__t__" but holds a container is still renamed inside."""
+    ref = {"__t__": "model/_orig_mod.w"}
+    tree = {"_orig_mod.w": ref}
+    out = canonical(tree)
+    assert out == {"w": ref} and out["w"] is ref  # the key renamed, the reference kept
+    looks = {"__t__": {"_orig_mod.w": 1}}
+    assert canonical(looks) == {"__t__": {"w": 1}}
+    nested = {"a": [{"_orig_mod.b": 2}], "c": {"__np__": ["_orig_mod.x"]}}
+    assert canonical(nested) == {"a": [{"b": 2}], "c": {"__np__": ["x"]}}
+
+
+def test_rekey_like_renames_nested_containers_only_where_the_target_is_compiled() -> None:
+    decoded = {"w": torch.zeros(1), "sub": {"v": 1}, "lst": [{"u": 2}]}
+    target = {"_orig_mod.w": 0, "sub": {"_orig_mod.v": 0}, "lst": [{"_orig_mod.u": 0}]}
+    out = rekey_like(decoded, target)
+    assert set(out) == {"_orig_mod.w", "sub", "lst"}
+    assert out["sub"] == {"_orig_mod.v": 1} and out["lst"] == [{"_orig_mod.u": 2}]
+    assert out["_orig_mod.w"] is decoded["w"]  # a leaf is handed over, never copied

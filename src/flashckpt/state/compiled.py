@@ -31,12 +31,20 @@ def canonical_key(key: str) -> str:
 
 def canonical(obj: Any, path: str = "") -> Any:
     """``obj`` with ``_orig_mod.`` removed from dict keys and list strings; the same object when
-    there is nothing to remove (tensors and other leaves are never copied)."""
+    there is nothing to remove (tensors and other leaves are never copied). One pass per
+    container, and a tensor reference of a saved tree (``{"__t__": key}``) is not descended
+    into: this runs over every state and tree a restore plans."""
     if isinstance(obj, dict):
-        renamed = {
-            (canonical_key(k) if isinstance(k, str) else k): canonical(v, f"{path}/{k}")
-            for k, v in obj.items()
-        }
+        renamed: dict[Any, Any] = {}
+        changed = False
+        for k, v in obj.items():
+            name = canonical_key(k) if isinstance(k, str) and _MARK in k else k
+            if isinstance(v, (dict, list)) and not _is_ref(v):
+                sub = canonical(v, f"{path}/{k}")
+                changed = changed or sub is not v
+                v = sub
+            changed = changed or name is not k
+            renamed[name] = v
         if len(renamed) != len(obj):
             clash = sorted(k for k in obj if isinstance(k, str) and _MARK in k)[:3]
             raise UnsupportedStateError(
@@ -44,25 +52,31 @@ def canonical(obj: Any, path: str = "") -> Any:
                 f"'_orig_mod.' is removed (e.g. {clash}); save the compiled and the plain "
                 "module under different names"
             )
-        same = all(a is b for a, b in zip(obj, renamed)) and all(
-            renamed[k] is v for k, v in obj.items() if k in renamed
-        )
-        return obj if same else renamed
+        return renamed if changed else obj
     if isinstance(obj, list):
         items = [canonical_key(v) if isinstance(v, str) else canonical(v, path) for v in obj]
         return obj if all(a is b for a, b in zip(obj, items)) else items
     return obj
 
 
+def _is_ref(v: Any) -> bool:
+    """A saved tree's tensor reference, ``{"__t__": key}`` or ``{"__np__": key}``: its one key
+    is no state key, and canonical leaves it as it is."""
+    if type(v) is not dict or len(v) != 1:
+        return False
+    ref = v.get("__t__", v.get("__np__"))
+    return type(ref) is str
+
+
 def rekey_like(decoded: Any, target: Any) -> Any:
     """``decoded`` (canonical keys) renamed to the keys ``target`` really uses, e.g. back to
     ``_orig_mod.w`` for a compiled module; anything ``target`` does not name is kept as is."""
     if isinstance(decoded, dict) and isinstance(target, dict):
-        real = {canonical_key(k): k for k in target if isinstance(k, str)}
+        real = {canonical_key(k): k for k in target if isinstance(k, str) and _MARK in k}
         out: dict[Any, Any] = {}
         for k, v in decoded.items():
-            name = real.get(k, k) if isinstance(k, str) else k
-            out[name] = rekey_like(v, target.get(name))
+            name = real.get(k, k) if real and isinstance(k, str) else k
+            out[name] = rekey_like(v, target.get(name)) if isinstance(v, (dict, list)) else v
         return out
     if isinstance(decoded, list) and isinstance(target, list) and len(decoded) == len(target):
         return [

@@ -158,7 +158,16 @@ def _shape_problem(key: str, entry: TensorEntry, target: Any) -> str | None:
     return None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)  # never a DTensor (a subclass)
+
+
 def _target(entry: TensorEntry, live: Any) -> Target:
+    if type(live) in _PLAIN and entry.kind == "torch" and live.dtype == torch_dtype(entry.dtype):
+        # the common case, without the DTensor geometry: the whole tensor, filled in place
+        dest = live.detach() if live.requires_grad else live
+        return Target(
+            entry=entry, dest=dest, offset=(0,) * live.dim(), shape=entry.global_shape, value=live
+        )
     full = (0,) * len(entry.global_shape)
     if isinstance(live, np.ndarray):  # arrays are small (RNG states): load, then np.copyto
         return Target(entry=entry, dest=None, offset=full, shape=entry.global_shape)

@@ -248,7 +248,8 @@ def _byte_view(t: torch.Tensor) -> np.ndarray | None:
     if not t.is_contiguous():
         return None
     if t.dtype in _NUMPY_DTYPES:
-        return t.numpy().reshape(-1).view(np.uint8)
+        a = t.numpy()
+        return (a if a.ndim == 1 else a.reshape(-1)).view(np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
 
 

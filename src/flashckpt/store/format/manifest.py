@@ -292,6 +292,9 @@ def _check_tree_depth(node: Any, where: str, *, start: int = 0) -> None:
             stack.extend((v, d + 1) for v in n.values())
 
 
+_ITEMSIZES: dict[tuple[str, str], int] = {}  # (kind, dtype) -> itemsize, once allow-listed
+
+
 def _parse_entry(
     key: str, v: Any, chunks: list[ChunkRef], where: str, whole: bool = True
 ) -> TensorEntry:
@@ -301,7 +304,9 @@ def _parse_entry(
     if kind not in ("torch", "numpy"):
         raise ManifestError(f"{where}: tensor {key!r} has unknown kind {kind!r}")
     dtype = v["dtype"]
-    isz = itemsize(kind, dtype)  # validates against the allow-list
+    isz = _ITEMSIZES.get((kind, dtype)) if type(dtype) is str else None
+    if isz is None:
+        isz = _ITEMSIZES[(kind, dtype)] = itemsize(kind, dtype)  # validates: the allow-list
     gshape = _shape(v["global_shape"], key, "global_shape", where)
     if math.prod(gshape) * isz > MAX_TENSOR_BYTES:
         raise ManifestError(f"{where}: tensor {key!r} claims an absurd size {gshape}")
@@ -326,34 +331,48 @@ def _parse_shard(
     shape = _shape(s["shape"], key, "shard shape", where)
     if len(offset) != len(gshape) or len(shape) != len(gshape):
         raise ManifestError(f"{where}: tensor {key!r} shard rank differs from its global shape")
-    for o, n, g in zip(offset, shape, gshape):
-        if o + n > g:
-            raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
+    if shape != gshape or any(offset):  # else the shard is the whole tensor: inside it
+        for o, n, g in zip(offset, shape, gshape):
+            if o + n > g:
+                raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
     extents = []
     total = 0
     last = len(chunks) - 1
     for x in _list(s["extents"], "extents", where):
-        if type(x) is not list or len(x) != 3:
-            raise ManifestError(f"{where}: tensor {key!r} has a malformed extent {x!r}")
-        ci, off, length = x
-        if not (_is_int(ci) and 0 <= ci <= last):
-            _int(ci, "extent chunk", 0, last, where)
-        if not (_is_int(off) and 0 <= off <= MAX_CHUNK_BYTES):
-            _int(off, "extent offset", 0, MAX_CHUNK_BYTES, where)
-        if not (_is_int(length) and 0 <= length <= MAX_CHUNK_BYTES):
-            _int(length, "extent length", 0, MAX_CHUNK_BYTES, where)
-        if off + length > chunks[ci].size:
-            raise ManifestError(
-                f"{where}: tensor {key!r} extent runs past the end of chunk {chunks[ci].hash}"
-            )
-        extents.append(Extent(chunk=ci, offset=off, length=length))
-        total += length
+        if type(x) is list and len(x) == 3:  # the checks of _extent, inline: once per extent
+            ci, off, length = x
+            if (
+                type(ci) is int
+                and type(off) is int
+                and type(length) is int
+                and 0 <= ci <= last
+                and off >= 0
+                and length >= 0
+                and off + length <= chunks[ci].size  # <= MAX_CHUNK_BYTES, checked per chunk
+            ):
+                extents.append(Extent(chunk=ci, offset=off, length=length))
+                total += length
+                continue
+        _extent(key, x, chunks, where)  # raises, naming what is wrong
     if total != math.prod(shape) * isz:
         raise ManifestError(f"{where}: tensor {key!r} extents do not add up to its shard size")
     rank = s.get("rank", 0)
     if not (_is_int(rank) and 0 <= rank <= 1 << 24):
         _int(rank, "shard rank", 0, 1 << 24, where)
     return Shard(offset=offset, shape=shape, extents=tuple(extents), rank=rank)
+
+
+def _extent(key: str, x: Any, chunks: list[ChunkRef], where: str) -> None:
+    """Raise the error of an extent that failed the inline checks of _parse_shard."""
+    if type(x) is not list or len(x) != 3:
+        raise ManifestError(f"{where}: tensor {key!r} has a malformed extent {x!r}")
+    ci, off, length = x
+    _int(ci, "extent chunk", 0, len(chunks) - 1, where)
+    _int(off, "extent offset", 0, MAX_CHUNK_BYTES, where)
+    _int(length, "extent length", 0, MAX_CHUNK_BYTES, where)
+    raise ManifestError(
+        f"{where}: tensor {key!r} extent runs past the end of chunk {chunks[ci].hash}"
+    )
 
 
 def _is_int(v: Any) -> bool:

@@ -1,9 +1,11 @@
 """One save, moving through time: stage -> persist -> commit.
 
-The staging thread walks the chunk layout in order. For each chunk it decides "unchanged" as
-cheaply as possible (xxh3-128 of the live bytes on CPU; a device fingerprint on CUDA, so an
-unchanged chunk is never copied to the host), otherwise copies the chunk into a staging slot
-and hands it to the persist workers, which encode, write and fsync it and free the slot. When
+The staging thread walks the chunk layout in order. A CPU chunk expected to change (it changed
+at the last save, or no save of this process has seen it) is copied into a staging slot at once
+and hashed from the copy by a persist worker: one pass over its bytes while training waits. A
+chunk expected unchanged is first checked where it lies (xxh3-128 of the live bytes on CPU; a
+device fingerprint on CUDA, so an unchanged chunk is never copied to the host) and copied only
+if it changed. The persist workers encode, write and fsync each chunk and free its slot. When
 every chunk is staged, ``staged`` completes; when every chunk is durable, the manifest is
 committed and ``durable`` completes. A failure anywhere stops the pipeline, deletes the chunks
 this save wrote, and never touches an existing manifest.
@@ -160,9 +162,16 @@ class SaveJob:
                 self._direct = DirectStager(self.ctx, reuse=self._reuse, landed=self.ledger.landed)
             self._direct.stage(ci, chunk, joined(views, chunk.size), region(self.captured, chunk))
             return
-        h = codecs.hash_parts(views)
-        if self._reuse(ci, h, chunk.size):
-            return
+        key = region(self.captured, chunk)
+        h: str | None = None
+        if self.ctx.hints.get(key) is False:  # unchanged at the last save: hash first, and an
+            h = codecs.hash_parts(views)  # unchanged chunk is never copied
+            if self._reuse(ci, h, chunk.size):
+                return
+        # anything else (changed last time, or never seen: a first save, a restart) is most
+        # likely changed: copied at once and hashed from the copy by a persist worker, so the
+        # blocking part is one pass over its bytes
+        self.ctx.hints[key] = True
         pool = self._require_pool()
         slot = self._acquire(chunk.size)
         try:
@@ -178,7 +187,7 @@ class SaveJob:
         except BaseException:
             pool.release(slot)
             raise
-        self._submit(ci, h, chunk, [buf], slot)
+        self._submit(ci, h, chunk, [buf], slot, hint=None if h is not None else key)
 
     def _name_staged(self, c: Copied) -> None:
         """A persist worker: name one chunk copied into a recycled file (direct.py)."""
@@ -242,13 +251,15 @@ class SaveJob:
         bufs: list[Any],
         slot: int | None,
         fingerprint: tuple[Any, Any, str | None] | None = None,
+        hint: Any = None,
     ) -> None:
-        """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first);
+        """Hand a staged chunk to a persist worker (``h=None``: the worker hashes it first;
+        ``hint``: the chunk's :func:`region`, marked unchanged there when its hash is reused);
         deferred until staging ends when it sits in a staging slot."""
         if slot is not None:
-            self._deferred.append((ci, h, chunk, bufs, slot, fingerprint))
+            self._deferred.append((ci, h, chunk, bufs, slot, fingerprint, hint))
             return
-        self._submit_now(ci, h, chunk, bufs, slot, fingerprint)
+        self._submit_now(ci, h, chunk, bufs, slot, fingerprint, hint)
 
     def _submit_now(
         self,
@@ -258,11 +269,12 @@ class SaveJob:
         bufs: list[Any],
         slot: int | None,
         fingerprint: tuple[Any, Any, str | None] | None = None,
+        hint: Any = None,
     ) -> None:
         codec = codecs.choose_codec(self.ctx.compression, chunk.itemsize)
         try:
             fut = self.ctx.workers.submit(
-                self._persist, ci, h, chunk.size, bufs, codec, slot, fingerprint
+                self._persist, ci, h, chunk.size, bufs, codec, slot, fingerprint, hint
             )
         except BaseException:
             if slot is not None and self.ctx.pool is not None:
@@ -279,6 +291,7 @@ class SaveJob:
         codec: str,
         slot: int | None,
         fingerprint: tuple[Any, Any, str | None] | None,
+        hint: Any = None,
     ) -> None:
         try:
             if self._error is not None:
@@ -296,6 +309,8 @@ class SaveJob:
                         "Save again with incremental=False and report this"
                     )
                 if expect is None and self._reuse(ci, h, size):
+                    if hint is not None:  # hashed first at the next save
+                        self.ctx.hints[hint] = False
                     return
             self.ledger.landed(h, self.ctx.store.put_chunk(h, size, bufs, codec))
             # the rename durable too, here in the worker, while the other chunks are written:

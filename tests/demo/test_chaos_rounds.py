@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,39 @@ def test_busy_load_runs_n_processes_and_stops_them_when_the_block_raises() -> No
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (an exited child not yet reaped by its new parent is a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_busy_processes_end_when_the_harness_is_killed() -> None:
+    """Regression: a chaos run stopped with SIGTERM (or SIGKILL) left its --load processes
+    spinning on the cores forever (the block's cleanup never ran)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time\nfrom flashckpt.demo.chaos_rounds import busy_load\n"
+         "with busy_load(2) as pids:\n    print(*pids, flush=True)\n    time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if _running(pid)}
+        time.sleep(0.05)
+    for pid in alive:  # kill what is left so nothing leaks
+        os.kill(pid, 9)
+    assert not alive, f"busy processes {sorted(alive)} outlived the harness"
 
 
 @pytest.mark.timeout(600)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -28,14 +29,25 @@ from flashckpt.demo.chaos import METHODS, failure_times, run_chaos
 from flashckpt.demo.chaos_dirs import check_out, fresh, make_out
 from flashckpt.errors import ConfigError
 
-_BUSY = "x = 0\nwhile True:\n    x += 1\n"
+# a busy process: pure Python on one core for as long as the process that started it lives
+# (argv[1]: its pid), so a harness killed by any signal, SIGKILL included, leaves none behind
+_BUSY = (
+    "import os, sys\n"
+    "parent = int(sys.argv[1])\n"
+    "x = 0\n"
+    "while os.getppid() == parent:\n"
+    "    for _ in range(200000):\n"
+    "        x += 1\n"
+)
 
 
 @contextlib.contextmanager
 def busy_load(n: int) -> Iterator[list[int]]:
     """``n`` busy child processes for the duration of the block; yields their pids. They are
-    killed at the end even when the block raises."""
-    procs = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(max(0, n))]
+    killed at the end even when the block raises, and end by themselves within a fraction of
+    a second when this process dies without running the block's end (SIGTERM, SIGKILL)."""
+    me = str(os.getpid())
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY, me]) for _ in range(max(0, n))]
     try:
         yield [p.pid for p in procs]
     finally:

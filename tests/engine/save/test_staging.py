@@ -341,7 +341,7 @@ def test_pool_warm_does_nothing_while_chunks_are_staged():
     start = pool.acquire(MiB)
     pool.view(start, MiB).fill_(7)
     pool.warm(needed_bytes=4 * MiB, pin=False, stop=threading.Event())
-    assert pool.capacity_bytes == MiB and pool.touched_bytes == 0
+    assert pool.capacity_bytes == MiB, "warm() resized the arena under a staged chunk"
     assert bool((pool.view(start, MiB) == 7).all()), "warm() wrote into a staged range"
 
 
@@ -381,3 +381,42 @@ def test_warmup_pins_only_where_a_cuda_context_exists(tmp_path, monkeypatch, con
         assert all(torch.equal(out[k], state[k]) for k in state)
     finally:
         fake.close()
+
+
+def test_an_arena_reserved_by_a_save_is_populated_and_page_aligned():
+    """reserve() is the save path (a fresh root: nothing sized the arena before): the kernel
+    faults the arena in as it maps it, so the first copy into it takes no page faults."""
+    pool = _pool(budget=8 * MiB, chunk=MiB, needed=5 * MiB)
+    assert pool.capacity_bytes == 5 * MiB and pool.touched_bytes == pool.capacity_bytes
+    assert pool.view(0, 1).data_ptr() % ALIGN == 0
+    pool.view(0, 5 * MiB).fill_(3)
+    assert int(pool.view(5 * MiB - 1, 1)) == 3
+
+
+@pytest.mark.parametrize("kernel_populates", [True, False])
+def test_warm_faults_every_piece_in_with_or_without_madvise(monkeypatch, kernel_populates):
+    """warm() asks the kernel to populate each piece (MADV_POPULATE_WRITE) and touches the
+    pages itself where the kernel cannot; either way the whole arena ends up resident."""
+    from flashckpt.engine.save import staging
+
+    asked: list[tuple[int, int]] = []
+    real = staging._populate
+
+    def populate(buf, start, length):
+        asked.append((start, length))
+        return real(buf, start, length) if kernel_populates else False
+
+    monkeypatch.setattr(staging, "TOUCH_PIECE", 2 * MiB)
+    monkeypatch.setattr(staging, "_populate", populate)
+    pool = StagingPool(budget_bytes=16 * MiB, chunk_bytes=MiB)
+    pool.warm(needed_bytes=5 * MiB, pin=False, stop=threading.Event())
+    assert pool.touched_bytes == pool.capacity_bytes == 5 * MiB
+    assert asked == [(0, 2 * MiB), (2 * MiB, 2 * MiB), (4 * MiB, MiB)]
+    start = pool.view(0, 1).data_ptr()  # every page of the arena present (pagemap bit 63)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start // 4096 * 8)
+        entries = f.read(5 * MiB // 4096 * 8)
+    present = [
+        int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8)
+    ]
+    assert len(present) == 5 * MiB // 4096 and all(present)

@@ -35,7 +35,7 @@ import torch
 
 from flashckpt.engine import device as devices
 from flashckpt.engine.tiers.arena import ArenaFile
-from flashckpt.store.files.directio import ALIGN, aligned
+from flashckpt.store.files.directio import aligned
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class StagingPool:
         self._file_backed = False  # the arena now is that file
         self.reused_bytes = 0  # bytes of a file arena an earlier process left allocated
         self._closed = False
+        self._map: mmap.mmap | None = None  # an anonymous arena's mapping (madvise in warm())
 
     @property
     def capacity_bytes(self) -> int:
@@ -80,26 +81,34 @@ class StagingPool:
         with self._cond:
             if self._taken:
                 raise RuntimeError("staging pool resized while chunks are staged")
-            self._reserve_locked(needed_bytes, pin, device)
+            self._reserve_locked(needed_bytes, pin, device, populate=True)
 
-    def _reserve_locked(self, needed_bytes: int, pin: bool, device: str | None = None) -> bool:
-        """:meth:`reserve` under the lock; True when it allocated a new arena."""
+    def _reserve_locked(
+        self, needed_bytes: int, pin: bool, device: str | None = None, *, populate: bool = False
+    ) -> bool:
+        """:meth:`reserve` under the lock; True when it allocated a new arena. ``populate``: a
+        save needs the arena now, so an anonymous one is faulted in by the kernel as it is
+        mapped (``MAP_POPULATE``: 0.20 s for 512 MiB on the 2-core VM, against 0.36 s when the
+        first copy into it takes the faults page by page)."""
         want = min(self.budget_bytes, max(self.chunk_bytes, aligned(needed_bytes)))
         if want <= self.capacity_bytes and (self._pin_tried or not pin):
             return False  # (pinning is tried once: a host that refused it is not asked again)
         want = max(want, self.capacity_bytes)
         self._drop_arena()  # the old pages go back first: never two arenas at once
-        self._arena, self._file_backed, self._pinned = self._alloc(want, pin, device)
+        self._arena, self._file_backed, self._pinned = self._alloc(want, pin, device, populate)
         self._pin_tried = self._pin_tried or pin
         self._free = [(0, want)]
-        # a mapped file arena is resident, and so is a page-locked one
-        self._touched = want if self._file_backed or self._pinned else 0
+        # a mapped file arena is resident, and so are a page-locked and a populated one
+        self._touched = want if self._file_backed or self._pinned or populate else 0
         return True
 
-    def _alloc(self, nbytes: int, pin: bool, device: str | None) -> tuple[torch.Tensor, bool, bool]:
+    def _alloc(
+        self, nbytes: int, pin: bool, device: str | None, populate: bool = False
+    ) -> tuple[torch.Tensor, bool, bool]:
         """The arena, whether it is the file (allocated and mapped: resident) and whether it is
         pinned: the file when there is one and the arena is pageable, else anonymous (or
         pinned) memory."""
+        self._map = None
         if not pin and self._backing is not None:
             got = self._backing.map(nbytes)
             if got is not None:
@@ -110,12 +119,14 @@ class StagingPool:
             pinned = _pin(nbytes, device)
             if pinned is not None:
                 return pinned, False, True
-        return _alloc(nbytes), False, False
+        arena, self._map = _alloc(nbytes, populate=populate)
+        return arena, False, False
 
     def _drop_arena(self) -> None:
         """Let go of the arena; a pinned one is unlocked first (its pages go back to the system
         when the last view of it is dropped)."""
         arena, pinned, self._arena, self._pinned = self._arena, self._pinned, None, False
+        self._map = None
         if pinned and arena is not None:
             _unregister(arena, arena.numel())
 
@@ -136,9 +147,10 @@ class StagingPool:
             flat = self._arena.numpy()
             while self._touched < flat.size and not stop.is_set():
                 end = min(flat.size, self._touched + TOUCH_PIECE)
-                # one byte per page, with numpy (a torch op here would start torch's intra-op
-                # threads beside the training thread's); the arena holds nothing yet
-                flat[self._touched : end : PAGE] = 0
+                if not _populate(self._map, self._touched, end - self._touched):
+                    # one byte per page, with numpy (a torch op here would start torch's
+                    # intra-op threads beside the training thread's); the arena holds nothing
+                    flat[self._touched : end : PAGE] = 0
                 self._touched = end
 
     @property
@@ -241,11 +253,28 @@ def _unregister(arena: torch.Tensor, nbytes: int) -> None:
             log.warning("could not unpin staging memory: %s", exc)
 
 
-def _alloc(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of pageable memory starting on a 4096-byte boundary."""
-    return _aligned_slice(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+ (Python 3.11's mmap module lacks the name)
 
 
-def _aligned_slice(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + nbytes]
+def _alloc(nbytes: int, *, populate: bool = False) -> tuple[torch.Tensor, mmap.mmap]:
+    """``nbytes`` of pageable anonymous memory, page-aligned, and its mapping (its pages go
+    back to the system when the last view is dropped); ``populate``: faulted in as it is
+    mapped."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, nbytes, flags=flags)
+    return torch.frombuffer(m, dtype=torch.uint8), m
+
+
+def _populate(buf: mmap.mmap | None, start: int, length: int) -> bool:
+    """Fault ``length`` bytes of an anonymous arena in from ``start`` with one
+    ``madvise(MADV_POPULATE_WRITE)`` (0.27 s for 512 MiB against 0.36 s touching each page
+    from Python); False when the kernel cannot, and the caller touches the pages itself."""
+    if buf is None:
+        return False
+    try:
+        buf.madvise(MADV_POPULATE_WRITE, start, length)
+    except (OSError, ValueError):
+        return False
+    return True

@@ -17,9 +17,11 @@ locked are unlocked).
 The pinning goes through engine/device.py, under the device of the save's first device chunk.
 
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
-to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and touches it
-in the background (:meth:`StagingPool.warm`, started by engine/save/warmup.py) before the first save
-needs it; :meth:`close` gives the memory back. With a memory tier on tmpfs the arena is a file
+to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and populates it
+in the background (:meth:`StagingPool.warm`, started by engine/save/warmup.py; the kernel faults
+each piece in with ``MADV_POPULATE_WRITE``) before the first save needs it; an arena a save
+reserves itself (a fresh root: nothing sized it before) is mapped with ``MAP_POPULATE``, which
+faults it in about twice as fast as the first copy would; :meth:`close` gives the memory back. With a memory tier on tmpfs the arena is a file
 there instead (engine/tiers/arena.py), whose pages outlive a killed process: a restarted process
 maps them resident, and its first save copies at the speed of a warm one.
 """

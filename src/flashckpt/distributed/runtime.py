@@ -333,7 +333,7 @@ class DistRuntime:
         step: int | None,
         steps: list[int],
         load: Callable[[int], Any],
-        load_tier: Callable[[int, Any], None] | None = None,
+        load_tier: Callable[[int, Any], object] | None = None,
         damaged: set[int] | None = None,
     ) -> int | None:
         """``steps``: the steps this rank can see (rank 0's list decides);

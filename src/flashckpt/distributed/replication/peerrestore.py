@@ -69,7 +69,7 @@ class PeerSource:
     leader: bool  # this rank writes the node's manifest (the lowest rank of its node)
     node: str = ""  # the node's name (journaled with the copies its leader removes)
     channel: Callable[[], AbstractContextManager[Any]]  # the gloo side group, while idle
-    load: Callable[[int], None]  # load a step from this node's tier into the live state
+    load: Callable[[int], object]  # load a step from this node's tier into the live state
     journal: Journal
     # told when the side group failed under a fetch (gloo groups do not recover): replication
     # stops instead of waiting on a broken group
@@ -101,7 +101,7 @@ def peer_source(
     node: str = "",
     channel: Callable[[], AbstractContextManager[Any]],
     journal: Journal,
-    load_tier: Callable[[int, Any], None],
+    load_tier: Callable[[int, Any], object],
     replicator: Any = None,
 ) -> tuple[PeerSource, Callable[[int], Any]] | None:
     """The peer source of a Checkpointer whose memory tier is node-local (else None), and the

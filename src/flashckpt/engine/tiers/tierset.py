@@ -305,16 +305,18 @@ class TierSet:
         except FlashCkptError as exc:
             log.warning("retention of tier %s at close failed: %s", tier.name, exc)
 
-    def restore(self, step: int, tiers: list[Tier], load: Callable[[Tier], None]) -> Tier:
+    def restore(self, step: int, tiers: list[Tier], load: Callable[[Tier], object]) -> Tier:
         """Run ``load(tier)`` on the fastest copy of ``step`` that is valid; a damaged or
         unreachable copy is journaled and the next tier's copy is tried. Then queue promotion
-        of ``step`` to the slower tiers that lack it (a memory-only checkpoint after a crash).
-        Raises the last tier's error when no copy loads."""
+        of ``step`` to the slower tiers that lack it (a memory-only checkpoint after a crash;
+        ``tiers``, the copies, says which hold it): from the manifest ``load`` returned, when it
+        returned one, so a restore parses it once. Raises the last tier's error when no copy
+        loads."""
         if not tiers:
             raise NoCheckpointError(f"no checkpoint for step {step} in any tier")
         for i, tier in enumerate(tiers):
             try:
-                load(tier)
+                loaded = load(tier)
             except (CorruptCheckpointError, StorageError) as exc:
                 # a lock-free reader racing retention finds chunks missing: not damage
                 vanished = isinstance(exc, CorruptCheckpointError) and not tier.store.has_step(step)
@@ -333,10 +335,13 @@ class TierSet:
                 warnings.warn(msg, RuntimeWarning, stacklevel=4)
                 log.warning(msg)
                 continue
-            try:
-                self.committed(step, tier)
-            except FlashCkptError as exc:
-                log.warning("cannot queue promotion of restored step %d: %s", step, exc)
+            slower = self.tiers[self.tiers.index(tier) + 1 :] if tier in self.tiers else []
+            if any(t not in tiers for t in slower):
+                manifest = loaded if isinstance(loaded, Manifest) else None
+                try:
+                    self.committed(step, tier, manifest)
+                except FlashCkptError as exc:
+                    log.warning("cannot queue promotion of restored step %d: %s", step, exc)
             return tier
         raise NoCheckpointError(f"no checkpoint for step {step} in any tier")  # pragma: no cover
 

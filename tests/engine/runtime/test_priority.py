@@ -120,3 +120,63 @@ def test_synchronous_saves_leave_their_threads_alone(tmp_path) -> None:
     with flashckpt.Checkpointer(tmp_path) as ck:
         ck.save(1, {"w": torch.randn(100)})
         assert ck._saver.priority.threads == []
+
+
+def test_a_background_only_thread_stays_in_the_background() -> None:
+    p = ThreadPriority(use_nice=False)
+    ready, done = threading.Event(), threading.Event()
+    box: dict = {}
+
+    def run() -> None:
+        p.register_background()
+        box["tid"] = threading.get_native_id()
+        ready.set()
+        done.wait(30)
+
+    t = threading.Thread(target=run)
+    t.start()
+    ready.wait(10)
+    try:
+        assert os.sched_getscheduler(box["tid"]) == os.SCHED_BATCH
+        p.set("foreground")  # a foreground save: its own threads move, this one does not
+        assert os.sched_getscheduler(box["tid"]) == os.SCHED_BATCH
+        assert p.background_threads == [box["tid"]] and p.threads == []
+    finally:
+        done.set()
+        t.join()
+    p.set("background")
+    assert p.background_threads == [] and not p._always  # forgotten once it ended
+
+
+def _promotion_levels(ck: flashckpt.Checkpointer) -> list[tuple[str, int]]:
+    """Record the CPU policy each promotion copy thread runs its copies at."""
+    seen: list[tuple[str, int]] = []
+    copier = ck._tiers.promoter._copier
+    hook = copier.thread_start
+    assert hook is not None  # the Checkpointer set it
+
+    def recording() -> None:
+        hook()
+        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+
+    copier.thread_start = recording
+    return seen
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_promotion_runs_in_the_background_whatever_the_saves_do(tmp_path, async_save) -> None:
+    """Regression: the promotion thread and its copy threads ran at SCHED_OTHER, nice 0, beside
+    training (with a memory tier the promotion after each save then cost a one-thread loop
+    about as much again as the save); a foreground save must not move them either."""
+    state = {"m": {f"w{i}": torch.randn(1000) for i in range(8)}}
+    kw = {"async_save": async_save, "chunk_size": "8KiB"}
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=tmp_path / "mem", **kw) as ck:
+        seen = _promotion_levels(ck)
+        if async_save:
+            ck._saver.governor.mode = FOREGROUND
+        ck.save(1, state).wait()
+        assert ck.wait_promoted()
+        assert seen and {policy for _, policy in seen} == {os.SCHED_BATCH}, seen
+        promote = [t for t in threading.enumerate() if t.name == "flashckpt-promote"]
+        assert promote and os.sched_getscheduler(promote[0].native_id) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread never changes

@@ -235,6 +235,8 @@ class Checkpointer:
         )
         sv = self._saver
         self._pool, self._workers, self._after = sv.pool, sv.workers, sv.after
+        # work no save waits for runs at the background CPU level for good
+        self._tiers.promoter.on_thread_start(sv.priority.register_background)
         self._warmup = Warmup(
             pool=sv.pool,
             executors=[(sv.stager, 1), (sv.workers, sv.threads)],
@@ -243,6 +245,7 @@ class Checkpointer:
             async_save=self.options.async_save,
             device=devices.current(),
             direct=self.options.compression is None and self._tiers.fastest.name == "memory",
+            thread_start=sv.priority.register_background,
         )
         self._warmup.start()
         gov = sv.governor

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from flashckpt.engine.device import DeviceOps
@@ -71,8 +71,10 @@ class Warmup:
         async_save: bool,
         device: DeviceOps,
         direct: bool = False,
+        thread_start: Callable[[], None] | None = None,
     ) -> None:
         self.pool = pool
+        self.thread_start = thread_start  # run first on the warm-up thread (its CPU level)
         self.direct = direct  # CPU saves stage into the memory tier's files: no arena for them
         self.executors = executors  # (executor, its thread count)
         self.stores = stores
@@ -97,6 +99,8 @@ class Warmup:
     def _run(self) -> None:
         # the arena first: touching it is by far the longest part (seconds per GB)
         try:
+            if self.thread_start is not None:
+                self.thread_start()
             for ex, n in self.executors:
                 _start_threads(ex, n, self._stop)
             # pin only where a context exists (never make one: it would be on GPU 0)

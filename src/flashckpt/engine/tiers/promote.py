@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from flashckpt.engine.tiers.tiercopy import ChunkCopier, PromotionStopped, copy_step
+from flashckpt.engine.tiers.tiercopy import ChunkCopier, PromotionStopped, copy_step, started
 from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.journal import Journal
 from flashckpt.store.format.manifest import Manifest
@@ -146,6 +146,7 @@ class Promoter:
         self._copier = ChunkCopier(options.workers)
         self._idle: IdleWork | None = None
         self._idle_at = 0.0  # time.monotonic() of the next idle step
+        self._thread_start: Callable[[], None] | None = None
 
     def idle_work(self, work: IdleWork) -> None:
         """Run ``work`` whenever no promotion is queued (starts the thread)."""
@@ -155,6 +156,13 @@ class Promoter:
             self._idle, self._idle_at = work, time.monotonic()
             self._start()
             self._cv.notify_all()
+
+    def on_thread_start(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` first on the promotion thread and on every copy thread it starts (the
+        runtime sets the background CPU level there: engine/runtime/priority.py). Set before
+        the thread starts (the Checkpointer does, as it builds the save path)."""
+        self._copier.thread_start = hook
+        self._thread_start = hook
 
     def _start(self) -> None:
         if self._thread is None:
@@ -251,6 +259,7 @@ class Promoter:
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        started(self._thread_start)
         while True:
             idle = None
             with self._cv:

@@ -20,6 +20,7 @@ the largest chunk of host memory until the Checkpointer closes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import mmap
 import threading
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from flashckpt.store.files.directio import aligned
 from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import maps_chunks
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
@@ -43,12 +46,23 @@ def _never() -> bool:
     return False
 
 
+def started(hook: Callable[[], None] | None) -> None:
+    """Run a thread's start hook (its CPU level); a failure costs only the level."""
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception as exc:  # never stop a copy for it
+        log.warning("could not set a background thread's CPU level: %s", exc)
+
+
 class ChunkCopier:
     """Copies chunks on up to ``workers`` daemon threads per step (a stuck upload never holds
     up interpreter exit), each with a page-aligned buffer kept for the next step."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
+        self.thread_start: Callable[[], None] | None = None  # run first on each copy thread
         self._spare: list[_Buffer] = []
         self._lock = threading.Lock()
 
@@ -68,6 +82,7 @@ class ChunkCopier:
         todo = iter(range(len(refs)))
 
         def work() -> None:
+            started(self.thread_start)
             buf = self._take()
             try:
                 while True:

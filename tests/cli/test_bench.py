@@ -68,12 +68,14 @@ def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floo
         assert "error" not in r, r
         assert r["saves"] == 2 and r["own_step_s"] > 0
         assert {"cost_s", "own_s", "first_s", "warm_s"} <= set(r)
+        assert isinstance(r["wait_s"], float)  # the training thread's run-queue wait (Linux)
         assert len(r["rounds_cost_s"]) == 2 and r["failed_rounds"] == 0
         assert min(r["rounds_cost_s"]) <= r["cost_s"] <= max(r["rounds_cost_s"])
     assert res["memcpy_s"] > 0
     table = bench_cost.table(res)
     assert "| dispatch |" in table and "flashckpt_memory" in table and "memcpy" in table
     assert table.count("..") >= 2  # each method's spread over its rounds
+    assert table.count("; waits ") == 2  # what each method's threads took from the loop
     assert list(tmp_path.iterdir()) == []  # the runs' roots are removed
 
 

@@ -100,3 +100,44 @@ def test_a_checkpointer_scrubs_only_when_the_host_has_a_core_to_spare(
         looks = fake.t // 100
     assert looks >= 2  # the gate was asked, and measured
     assert (_scrubbed(tmp_path) > 0) == (idle > 0)
+
+
+def test_run_queue_wait_counts_time_a_thread_waited_for_a_cpu() -> None:
+    """The loop-cost benchmark's ``waits`` (what a save's threads take from the training
+    thread): a thread pinned to one CPU beside two busy processes pinned to the same CPU waits
+    to run while it works; alone it hardly waits."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from flashckpt.engine.runtime.hostcpu import run_queue_wait_s
+
+    if run_queue_wait_s() is None or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("the kernel gives no per-thread schedstat here")
+    cpu = min(os.sched_getaffinity(0))
+    out: dict[str, float] = {}
+
+    def measured(key: str) -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        w0, t_end = run_queue_wait_s(), time.perf_counter() + 0.4
+        while time.perf_counter() < t_end:
+            sum(range(1000))
+        out[key] = run_queue_wait_s() - w0  # type: ignore[operator]
+
+    def run(key: str) -> None:
+        t = threading.Thread(target=measured, args=(key,))
+        t.start()
+        t.join()
+
+    run("alone")
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # both started and spinning
+        run("crowded")
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert out["crowded"] > 0.1 and out["crowded"] > 3 * out["alone"], out

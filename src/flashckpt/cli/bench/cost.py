@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flashckpt.engine.runtime.hostcpu import run_queue_wait_s
+
 PROFILES = ("dispatch", "compute", "contended")
 METHODS = ("torch_save", "dcp_thread", "dcp_process", "flashckpt_disk", "flashckpt_memory")
 MiB = 1 << 20
@@ -167,6 +169,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         work()
         opt.step()
     times: list[float] = []
+    waits: list[float] = []
+    waited = run_queue_wait_s()
     t_start = time.perf_counter()
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
@@ -176,10 +180,14 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         if method is not None and step % every == 0 and 2 * every <= step < cfg["steps"]:
             method.save(step)  # the steps before the first save are the run's own baseline
         times.append(time.perf_counter() - t0)
+        now = run_queue_wait_s()
+        if now is not None and waited is not None:
+            waits.append(now - waited)
+        waited = now
     wall = time.perf_counter() - t_start
     if method is not None:
         method.finish()
-    return {"wall_s": wall, "steps_s": times}
+    return {"wall_s": wall, "steps_s": times, "waits_s": waits}
 
 
 def _busy(stop: Any) -> None:  # a busy process: pure Python on one core until told to stop
@@ -245,7 +253,13 @@ def _per_save(run: dict[str, Any], base_wall: float, base_step: float, every: in
     saves = list(range(2 * every, len(steps), every))
     own = statistics.median(steps[: 2 * every - 1])
     windows = [sum(steps[s - 1 : s - 1 + every]) - every * own for s in saves]
+    waits = run.get("waits_s") or []
+    wait_s = None
+    if len(waits) == len(steps):  # the training thread's run-queue wait, same windows
+        quiet = statistics.median(waits[: 2 * every - 1])
+        wait_s = statistics.mean(sum(waits[s - 1 : s - 1 + every]) - every * quiet for s in saves)
     return {
+        "wait_s": wait_s,
         "cost_s": (run["wall_s"] - base_wall) / len(saves),
         "own_s": statistics.mean(windows),
         "first_s": windows[0],
@@ -266,6 +280,8 @@ def _over_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         k: statistics.median(r[k] for r in ok)
         for k in ("cost_s", "own_s", "first_s", "warm_s", "base_step_s", "own_step_s")
     }
+    got = [r["wait_s"] for r in ok if r.get("wait_s") is not None]
+    out["wait_s"] = statistics.median(got) if got else None
     out["saves"] = ok[0]["saves"]
     out["rounds_cost_s"] = [r["cost_s"] for r in ok]
     out["failed_rounds"] = len(runs) - len(ok)
@@ -354,7 +370,9 @@ def run(
 
 def table(result: dict[str, Any]) -> str:
     """The markdown table, each profile a row: ms per save against the no-save runs / against
-    the run's own steps before its first save (first save in brackets), and the memcpy floor."""
+    the run's own steps before its first save (in brackets: the first save, and ``waits``, the
+    ms per save the training thread waited runnable for a CPU beyond its own quiet steps: what
+    the save's threads took from it), and the memcpy floor."""
     methods = sorted({m for p in result["profiles"].values() for m in p["methods"]},
                      key=lambda m: METHODS.index(m) if m in METHODS else 99)  # fmt: skip
     head = "| profile | " + " | ".join(methods) + " | memcpy |"
@@ -371,9 +389,11 @@ def table(result: dict[str, Any]) -> str:
                 if len(r.get("rounds_cost_s", [])) > 1:
                     lo, hi = min(r["rounds_cost_s"]), max(r["rounds_cost_s"])
                     spread = f" [{lo * 1e3:.0f}..{hi * 1e3:.0f}]"
+                wait = r.get("wait_s")
+                waited = "" if wait is None else f"; waits {wait * 1e3:.0f}"
                 cells.append(
                     f"{r['cost_s'] * 1e3:.0f}{spread} / {r['own_s'] * 1e3:.0f} ms "
-                    f"(first {r['first_s'] * 1e3:.0f})"
+                    f"(first {r['first_s'] * 1e3:.0f}{waited})"
                 )
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {floor:.0f} ms |")
     return "\n".join(rows)

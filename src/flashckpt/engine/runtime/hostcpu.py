@@ -14,6 +14,7 @@ host is never called busy: the work runs, bounded by its own rate, as before.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 MIN_IDLE_CORES = 0.5  # idle CPU, in cores, that idle work needs since the last look (tests: 0)
@@ -84,3 +85,15 @@ class IdleCpu:
                 idle += max(0, i1 - i0) / (t1 - t0)
         self.idle_cores = idle
         return idle < MIN_IDLE_CORES
+
+
+def run_queue_wait_s() -> float | None:
+    """Seconds the calling thread has waited, runnable, for a CPU (Linux schedstat), None where
+    the kernel does not say. What a save's threads take from the training thread shows here
+    whatever the host's speed does to the step times: a slower or busier host stretches every
+    step alike, but only threads competing for the same cores make it wait to run."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -17,12 +17,12 @@ from flashckpt.engine.runtime.priority import BACKGROUND_NICE, ThreadPriority
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")
 
 
-def _thread(p: ThreadPriority):
+def _thread(p: ThreadPriority, *, background_only: bool = False):
     ready, done = threading.Event(), threading.Event()
     box: dict = {}
 
     def run() -> None:
-        p.register()
+        p.register_background() if background_only else p.register()
         box["tid"] = threading.get_native_id()
         ready.set()
         done.wait(30)
@@ -124,23 +124,12 @@ def test_synchronous_saves_leave_their_threads_alone(tmp_path) -> None:
 
 def test_a_background_only_thread_stays_in_the_background() -> None:
     p = ThreadPriority(use_nice=False)
-    ready, done = threading.Event(), threading.Event()
-    box: dict = {}
-
-    def run() -> None:
-        p.register_background()
-        box["tid"] = threading.get_native_id()
-        ready.set()
-        done.wait(30)
-
-    t = threading.Thread(target=run)
-    t.start()
-    ready.wait(10)
+    tid, done, t = _thread(p, background_only=True)
     try:
-        assert os.sched_getscheduler(box["tid"]) == os.SCHED_BATCH
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
         p.set("foreground")  # a foreground save: its own threads move, this one does not
-        assert os.sched_getscheduler(box["tid"]) == os.SCHED_BATCH
-        assert p.background_threads == [box["tid"]] and p.threads == []
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        assert p.background_threads == [tid] and p.threads == []
     finally:
         done.set()
         t.join()

@@ -17,9 +17,9 @@ levels:
 Threads whose work no save waits for (promotion to the slower tiers and its copy threads,
 the idle scrub on the promotion thread, the warm-up) register with
 :meth:`ThreadPriority.register_background` and stay at the background level for good. Before,
-they ran at nice 0 beside training: on the 2-core CI VM, with a memory tier, the promotion that
-follows every save cost a one-thread training loop about 0.05 s per 256 MiB save more than the
-save itself (the governor's measure: 0.10 s per save against 0.05 s with promotion off).
+they ran at nice 0 beside training: on the 2-core CI VM, with a memory tier, a one-thread
+training loop waited 14-18 ms per 256 MiB save for a CPU the promotion held, 2-4 ms since
+(``benchmarks/save_waits.py``; BENCHMARKS.md, "What a save costs the training loop").
 
 An unprivileged process can move a thread from ``SCHED_BATCH`` back to ``SCHED_OTHER`` but not
 raise its nice value back (nor leave ``SCHED_IDLE``): it gets ``SCHED_BATCH`` alone rather than a

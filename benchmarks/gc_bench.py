@@ -33,7 +33,7 @@ import flashckpt
 from flashckpt.engine.tiers import tierset as tiers
 from flashckpt.policy import KeepLast
 from flashckpt.store import liveness
-from flashckpt.store.format.manifest import parse_manifest
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.store import step_name
 
 

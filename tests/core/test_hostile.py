@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashckpt
-from flashckpt.store.format.manifest import parse_manifest
+from flashckpt.store.format.parse import parse_manifest
 
 
 def _valid(tmp_path: Path) -> dict:

@@ -17,7 +17,7 @@ from flashckpt.engine.tiers.config import read_config
 from flashckpt.integrations import interop
 from flashckpt.journal import iter_events, parse_line
 from flashckpt.report.summary import summarize
-from flashckpt.store.format.manifest import parse_manifest
+from flashckpt.store.format.parse import parse_manifest
 
 pytestmark = pytest.mark.timeout(120)
 FUZZ = settings(

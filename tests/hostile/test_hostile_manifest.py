@@ -12,7 +12,8 @@ import torch
 
 import flashckpt
 from flashckpt.store.files.backend import LocalBackend
-from flashckpt.store.format.manifest import TensorEntry, check_allocatable, parse_manifest
+from flashckpt.store.format.manifest import TensorEntry, check_allocatable
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.format.tiling import check_tiling
 from flashckpt.store.store import CheckpointStore
 from flashckpt.store.verify import verify_step

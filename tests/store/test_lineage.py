@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from flashckpt.errors import ConfigError, ManifestError
 from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.format.lineage import LEGACY, Lineage, parse_lineage
-from flashckpt.store.format.manifest import Manifest, parse_manifest
+from flashckpt.store.format.manifest import Manifest
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.generation import GENERATION_NAME, read_generation, take_generation
 from flashckpt.store.lineage import (
     ABANDONED,

@@ -22,7 +22,7 @@ from flashckpt.policy import KeepLast
 from flashckpt.store import gc as gc_mod
 from flashckpt.store import lock as lock_mod
 from flashckpt.store.files.backend import LocalBackend
-from flashckpt.store.format import manifest as manifest_mod
+from flashckpt.store.format import parse as manifest_mod
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.lock import RootLock, WriterLock
 from flashckpt.store.pins import PIN_DIR, new_record, write_pin

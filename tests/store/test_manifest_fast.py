@@ -1,5 +1,5 @@
 """The manifest parser builds its per-tensor objects without the frozen dataclass ``__init__``
-(store/format/manifest.py ``_maker``): the objects must still be exactly the dataclasses, every
+(store/format/parse.py ``_maker``): the objects must still be exactly the dataclasses, every
 field present, equal and hashable like constructed ones, and still frozen."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import pytest
 
 from flashckpt.store.format import manifest as mf
+from flashckpt.store.format import parse as mp
 
 
 def _doc() -> bytes:
@@ -46,7 +47,7 @@ def _rebuilt(obj: object) -> object:
 
 
 def test_parsed_objects_equal_constructed_ones() -> None:
-    m = mf.parse_manifest(_doc())
+    m = mp.parse_manifest(_doc())
     assert set(m.tensors) == {"a", "b"}
     for entry in m.tensors.values():
         assert type(entry) is mf.TensorEntry
@@ -60,7 +61,7 @@ def test_parsed_objects_equal_constructed_ones() -> None:
 
 
 def test_parsed_objects_stay_frozen() -> None:
-    entry = mf.parse_manifest(_doc()).tensors["a"]
+    entry = mp.parse_manifest(_doc()).tensors["a"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         entry.dtype = "float64"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -77,4 +78,4 @@ def test_a_class_that_validates_gets_no_fast_constructor() -> None:
                 raise ValueError("negative")
 
     with pytest.raises(TypeError, match="__post_init__"):
-        mf._maker(Checked)
+        mp._maker(Checked)

@@ -15,9 +15,9 @@ from flashckpt.store.format.manifest import (
     Manifest,
     Shard,
     TensorEntry,
-    parse_manifest,
     tensors_json,
 )
+from flashckpt.store.format.parse import parse_manifest
 
 
 def _reference(tensors: dict[str, TensorEntry]) -> dict:

@@ -48,7 +48,8 @@ from flashckpt.distributed.group.nodes import NodeMap
 from flashckpt.distributed.merge import merge_parts
 from flashckpt.engine.save.job import SaveJob
 from flashckpt.errors import DistributedError, OutcomeUnknownError
-from flashckpt.store.format.manifest import Manifest, parse_manifest
+from flashckpt.store.format.manifest import Manifest
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.store import CheckpointStore, part_name
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ from flashckpt.errors import CorruptCheckpointError, FlashCkptError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.backend import Backend
 from flashckpt.store.format import codec as codecs
-from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.format.names import (
     chunk_path,
     parse_chunk_name,
@@ -72,6 +72,7 @@ from flashckpt.store.format.names import (
     parse_step_name,
     step_name,
 )
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.lock import RootLock
 from flashckpt.store.pins import Pin, Window
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError, StorageError
 from flashckpt.store.files.backend import Backend, Buffer, StagedFile
 from flashckpt.store.format import codec as codecs
-from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.format.names import (
     PART_RE,
     STEP_RE,
@@ -30,6 +30,7 @@ from flashckpt.store.format.names import (
     step_name,
     stray_step_names,
 )
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.liveness import Liveness, liveness_for
 
 log = logging.getLogger(__name__)

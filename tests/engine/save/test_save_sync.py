@@ -235,7 +235,7 @@ def test_manifest_drafted_during_the_writes_equals_the_one_built_after(tmp_path)
     built from scratch after the writes, with distinct chunks and with duplicates (where the
     draft does not hold and is not used)."""
     from flashckpt.engine.save.manifests import job_manifest
-    from flashckpt.store.format.manifest import parse_manifest
+    from flashckpt.store.format.parse import parse_manifest
 
     seen: list = []
     real = save_mod.SaveJob.build_manifest

@@ -53,7 +53,8 @@ from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal
 from flashckpt.state.restore import plan_restore
 from flashckpt.store.format.lineage import LEGACY
-from flashckpt.store.format.manifest import ChunkRef, Manifest, parse_manifest
+from flashckpt.store.format.manifest import ChunkRef, Manifest
+from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.lineage import copy_lineage
 from flashckpt.store.store import CheckpointStore, step_name
 

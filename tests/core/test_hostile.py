@@ -12,12 +12,34 @@ from hypothesis import strategies as st
 
 import flashckpt
 from flashckpt.store.format.parse import parse_manifest
+from hostile.util import sharded_form
 
 
-def _valid(tmp_path: Path) -> dict:
+def _valid(tmp_path: Path, layout: str = "compact") -> dict:
+    """The manifest of a saved step: as written (each entry compact, format version 2), or
+    with its entries as shards (``sharded``: version 2's other form; ``v1``: version 1)."""
     with flashckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, {"w": torch.arange(8, dtype=torch.float32)})
-    return json.loads((tmp_path / "steps" / "000000000001.json").read_text())
+    doc = json.loads((tmp_path / "steps" / "000000000001.json").read_text())
+    assert doc["version"] == 2 and "extents" in doc["tensors"]["w"]
+    if layout == "compact":
+        return doc
+    return sharded_form(doc, version=1 if layout == "v1" else None)
+
+
+def _extent(d: dict) -> list:
+    """Tensor ``w``'s first extent, in either layout."""
+    w = d["tensors"]["w"]
+    return (w["extents"] if "extents" in w else w["shards"][0]["extents"])[0]
+
+
+def _halve(d: dict) -> None:
+    """Tensor ``w``'s only shard now claims half the bytes its extents hold."""
+    w = d["tensors"]["w"]
+    if "extents" in w:
+        w["global_shape"] = [4]
+    else:
+        w["shards"][0]["shape"] = [4]
 
 
 def _write(tmp_path: Path, doc: dict | str) -> None:
@@ -37,15 +59,19 @@ def _restore_step(tmp_path: Path):
         (lambda d: d["chunks"][0].__setitem__(0, "ab/../../x" + "0" * 22), "hash"),
         (lambda d: d["tensors"]["w"].__setitem__("dtype", "object"), "allow-list"),
         (lambda d: d["tensors"]["w"].__setitem__("global_shape", [2**40, 2**40]), "absurd"),
-        (lambda d: d["tensors"]["w"]["shards"][0]["extents"][0].__setitem__(2, 2**33), "extent"),
-        (lambda d: d["tensors"]["w"]["shards"][0]["extents"][0].__setitem__(0, 5), "extent chunk"),
+        (lambda d: _extent(d).__setitem__(2, 2**33), "extent"),
+        (lambda d: _extent(d).__setitem__(0, 5), "extent chunk"),
+        (lambda d: _extent(d).__setitem__(1, -1), "extent offset"),
+        (lambda d: _extent(d).__setitem__(1, True), "extent offset"),
         (lambda d: d["chunks"][0].__setitem__(2, "pickle"), "codec"),
         (lambda d: d.__setitem__("version", 99), "version"),
-        (lambda d: d["tensors"]["w"]["shards"][0].__setitem__("shape", [4]), "add up"),
+        (lambda d: d.__setitem__("version", True), "version"),
+        (_halve, "add up|gap"),
     ],
 )
-def test_hostile_manifest_rejected(tmp_path, mutate, message):
-    doc = _valid(tmp_path)
+@pytest.mark.parametrize("layout", ["compact", "sharded", "v1"])
+def test_hostile_manifest_rejected(tmp_path, mutate, message, layout):
+    doc = _valid(tmp_path, layout)
     mutate(doc)
     _write(tmp_path, doc)
     with pytest.raises(flashckpt.CorruptCheckpointError, match=message):

@@ -17,7 +17,7 @@ from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.format.tiling import check_tiling
 from flashckpt.store.store import CheckpointStore
 from flashckpt.store.verify import verify_step
-from hostile.util import manifest_path, restore_newest, small_state
+from hostile.util import manifest_path, restore_newest, sharded_form, small_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,13 +37,25 @@ def _key(doc) -> dict:
     return next(v for k, v in doc["tensors"].items() if k.startswith("w"))
 
 
-def test_shards_with_a_gap_are_refused_by_restore_and_verify(two_steps):
+@pytest.mark.parametrize("layout, message", [("sharded", r"\(a gap"), ("compact", "do not add up")])
+def test_shards_with_a_gap_are_refused_by_restore_and_verify(two_steps, layout, message):
+    """A tensor whose bytes cover 64 of its claimed 65,536 elements: as shards, a gap in the
+    tiling; as a compact entry (the whole tensor), extents that do not add up."""
     root = two_steps()
-    _edit(root, 2, lambda d: _key(d).__setitem__("global_shape", [65536]))
+
+    def grow(doc) -> None:
+        if layout == "sharded":
+            sharded_form(doc)
+        _key(doc)["global_shape"] = [65536]
+
+    _edit(root, 2, grow)
     assert not _verify_ok(root, 2)
     with pytest.warns(UserWarning, match="step 2"):
         assert restore_newest(root) == 1
-    with flashckpt.Checkpointer(root) as ckpt, pytest.raises(flashckpt.ManifestError, match="gap"):
+    with (
+        flashckpt.Checkpointer(root) as ckpt,
+        pytest.raises(flashckpt.ManifestError, match=message),
+    ):
         ckpt.restore(small_state(), step=2)
 
 
@@ -51,7 +63,7 @@ def test_overlapping_shards_are_refused(two_steps):
     root = two_steps()
 
     def split(doc) -> None:
-        e = _key(doc)
+        e = _key(sharded_form(doc))
         (shard,) = e["shards"]
         (chunk, off, _length) = shard["extents"][0]
         a = {"offset": [0], "shape": [40], "rank": 0, "extents": [[chunk, off, 160]]}

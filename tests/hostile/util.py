@@ -24,3 +24,23 @@ def restore_newest(root: Path) -> int | None:
 
 def manifest_path(root: Path, step: int) -> Path:
     return root / "steps" / f"{step:012d}.json"
+
+
+def sharded_form(doc: dict, version: int | None = None) -> dict:
+    """``doc`` (a parsed manifest) with every compact entry (format version 2: ``"extents"``,
+    the whole tensor) written out as version 1 wrote it, one shard at the origin: the hostile
+    tests mutate both layouts. ``version``: also set the manifest's format version."""
+    for entry in doc["tensors"].values():
+        if "extents" in entry:
+            nd = len(entry["global_shape"])
+            entry["shards"] = [
+                {
+                    "offset": [0] * nd,
+                    "shape": list(entry["global_shape"]),
+                    "rank": 0,
+                    "extents": entry.pop("extents"),
+                }
+            ]
+    if version is not None:
+        doc["version"] = version
+    return doc

@@ -20,9 +20,26 @@ from flashckpt.store.format.manifest import (
 from flashckpt.store.format.parse import parse_manifest
 
 
+def _whole(e: TensorEntry) -> bool:
+    """Format version 2 writes this entry compact: one shard, the whole tensor, rank 0."""
+    (s, *more) = e.shards
+    return not more and s.rank == 0 and s.shape == e.global_shape and not any(s.offset)
+
+
+def _extents(s: Shard) -> list:
+    return [[x.chunk, x.offset, x.length] for x in s.extents]
+
+
 def _reference(tensors: dict[str, TensorEntry]) -> dict:
     return {
         k: {
+            "kind": e.kind,
+            "dtype": e.dtype,
+            "global_shape": list(e.global_shape),
+            "extents": _extents(e.shards[0]),
+        }
+        if _whole(e)
+        else {
             "kind": e.kind,
             "dtype": e.dtype,
             "global_shape": list(e.global_shape),
@@ -31,7 +48,7 @@ def _reference(tensors: dict[str, TensorEntry]) -> dict:
                     "offset": list(s.offset),
                     "shape": list(s.shape),
                     "rank": s.rank,
-                    "extents": [[x.chunk, x.offset, x.length] for x in s.extents],
+                    "extents": _extents(s),
                 }
                 for s in e.shards
             ],
@@ -60,14 +77,24 @@ def test_rendered_entries_parse_back_to_the_entries(seed: int) -> None:
             )
             for _ in range(rng.randint(1, 3))
         )
+        gshape = tuple(rng.randint(0, 9) for _ in range(nd))
+        if rng.random() < 0.5:  # one shard: the whole tensor (compact unless its rank is not 0)
+            s = shards[0]
+            shards = (
+                Shard(
+                    offset=(0,) * nd, shape=gshape, rank=rng.choice([0, 0, 1]), extents=s.extents
+                ),
+            )
         tensors[key] = TensorEntry(
             key=key,
             kind=rng.choice(["torch", "numpy"]),
             dtype=rng.choice(["float32", "bfloat16", "int64"]),
-            global_shape=tuple(rng.randint(0, 9) for _ in range(nd)),
+            global_shape=gshape,
             shards=shards,
         )
-    assert json.loads(tensors_json(tensors)) == _reference(tensors)
+    reference = _reference(tensors)
+    assert 0 < sum("extents" in e for e in reference.values()) < len(reference)  # both forms
+    assert json.loads(tensors_json(tensors)) == reference
 
 
 def test_a_rendered_manifest_round_trips_through_the_parser() -> None:

@@ -167,10 +167,13 @@ def judge_held(
 HEAD_BYTES = 4096
 
 
-def _head_prefix() -> bytes:
-    from flashckpt.store.format.manifest import FORMAT, VERSION
+def _head_prefixes() -> tuple[bytes, ...]:
+    """How a manifest of each format version this flashckpt reads opens, as it writes them."""
+    from flashckpt.store.format.manifest import FORMAT, READABLE
 
-    return f'{{"format":{json.dumps(FORMAT)},"version":{VERSION},"lineage":'.encode()
+    return tuple(
+        f'{{"format":{json.dumps(FORMAT)},"version":{v},"lineage":'.encode() for v in READABLE
+    )
 
 
 def copy_lineage(store: CheckpointStore, step: int) -> Lineage | None:
@@ -205,9 +208,9 @@ def copy_lineage(store: CheckpointStore, step: int) -> Lineage | None:
 
 def _lineage_in_head(head: bytes, where: str) -> Lineage | None:
     """The lineage object that opens ``head`` (a manifest's first bytes), or None when the
-    file does not start the way this version writes manifests (then it is read whole)."""
-    prefix = _head_prefix()
-    if not head.startswith(prefix):
+    file does not start the way flashckpt writes manifests (then it is read whole)."""
+    prefix = next((p for p in _head_prefixes() if head.startswith(p)), None)
+    if prefix is None:
         return None
     text = head[len(prefix) :].decode("utf-8", errors="ignore")  # a cut last character
     try:

@@ -27,7 +27,7 @@ from flashckpt.store.format.manifest import (
     MAX_STEP,
     MAX_TENSOR_BYTES,
     MAX_TREE_DEPTH,
-    VERSION,
+    READABLE,
     ChunkRef,
     Extent,
     Manifest,
@@ -80,26 +80,27 @@ def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) 
     )
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a flashckpt manifest")
-    if doc.get("version") != VERSION:
+    version = doc.get("version")
+    if type(version) is not int or version not in READABLE:
         raise ManifestError(
-            f"{where}: format version {doc.get('version')!r} is not supported by this flashckpt "
-            f"(supports {VERSION}); upgrade flashckpt"
+            f"{where}: format version {version!r} is not supported by this flashckpt "
+            f"(reads versions {', '.join(map(str, READABLE))}); upgrade flashckpt"
         )
     try:
-        return _parse_doc(doc, where, whole)
+        return _parse_doc(doc, where, whole, compact=version >= 2)
     except ManifestError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
         raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_doc(doc: dict[str, Any], where: str, whole: bool) -> Manifest:
+def _parse_doc(doc: dict[str, Any], where: str, whole: bool, *, compact: bool) -> Manifest:
     step = _int(doc["step"], "step", 0, MAX_STEP, where)
     chunks = [_parse_chunk(c, where) for c in _list(doc["chunks"], "chunks", where)]
     tensors_doc = doc["tensors"]
     if not isinstance(tensors_doc, dict):
         raise ManifestError(f"{where}: 'tensors' must be an object")
-    tensors = {k: _parse_entry(k, v, chunks, where, whole) for k, v in tensors_doc.items()}
+    tensors = {k: _parse_entry(k, v, chunks, where, whole, compact) for k, v in tensors_doc.items()}
     tree = doc.get("tree", {})
     rank_trees = doc.get("rank_trees", {})
     if not isinstance(tree, dict) or not isinstance(rank_trees, dict):
@@ -179,8 +180,15 @@ _ITEMSIZES: dict[tuple[str, str], int] = {}  # (kind, dtype) -> itemsize, once a
 
 
 def _parse_entry(
-    key: str, v: Any, chunks: list[ChunkRef], where: str, whole: bool = True
+    key: str,
+    v: Any,
+    chunks: list[ChunkRef],
+    where: str,
+    whole: bool = True,
+    compact: bool = False,
 ) -> TensorEntry:
+    """One tensor's entry. ``compact`` (format version 2): an entry may give ``"extents"``
+    instead of ``"shards"``: one shard, the whole tensor, written by rank 0."""
     if type(v) is not dict:
         raise ManifestError(f"{where}: tensor {key!r} entry must be an object")
     kind = v["kind"]
@@ -193,6 +201,16 @@ def _parse_entry(
     gshape = _shape(v["global_shape"], key, "global_shape", where)
     if math.prod(gshape) * isz > MAX_TENSOR_BYTES:
         raise ManifestError(f"{where}: tensor {key!r} claims an absurd size {gshape}")
+    if compact and "extents" in v:
+        if "shards" in v:
+            raise ManifestError(
+                f"{where}: tensor {key!r} gives both 'shards' and 'extents' (one or the other)"
+            )
+        extents = _extents(key, v["extents"], math.prod(gshape) * isz, chunks, where)
+        whole_shard = _new_shard(offset=(0,) * len(gshape), shape=gshape, extents=extents, rank=0)
+        return _new_entry(
+            key=key, kind=kind, dtype=dtype, global_shape=gshape, shards=(whole_shard,)
+        )
     shards_doc = _list(v["shards"], "shards", where)
     if len(shards_doc) > MAX_SHARDS:
         raise ManifestError(f"{where}: tensor {key!r} has {len(shards_doc)} shards")
@@ -218,10 +236,21 @@ def _parse_shard(
         for o, n, g in zip(offset, shape, gshape):
             if o + n > g:
                 raise ManifestError(f"{where}: tensor {key!r} shard lies outside the global shape")
+    extents = _extents(key, s["extents"], math.prod(shape) * isz, chunks, where)
+    rank = s.get("rank", 0)
+    if not (_is_int(rank) and 0 <= rank <= 1 << 24):
+        _int(rank, "shard rank", 0, 1 << 24, where)
+    return _new_shard(offset=offset, shape=shape, extents=extents, rank=rank)
+
+
+def _extents(
+    key: str, doc: Any, nbytes: int, chunks: list[ChunkRef], where: str
+) -> tuple[Extent, ...]:
+    """The extents of one shard of ``nbytes`` bytes: each inside its chunk, adding up."""
     extents = []
     total = 0
     last = len(chunks) - 1
-    for x in _list(s["extents"], "extents", where):
+    for x in _list(doc, "extents", where):
         if type(x) is list and len(x) == 3:  # the checks of _extent, inline: once per extent
             ci, off, length = x
             if (
@@ -237,12 +266,9 @@ def _parse_shard(
                 total += length
                 continue
         _extent(key, x, chunks, where)  # raises, naming what is wrong
-    if total != math.prod(shape) * isz:
+    if total != nbytes:
         raise ManifestError(f"{where}: tensor {key!r} extents do not add up to its shard size")
-    rank = s.get("rank", 0)
-    if not (_is_int(rank) and 0 <= rank <= 1 << 24):
-        _int(rank, "shard rank", 0, 1 << 24, where)
-    return _new_shard(offset=offset, shape=shape, extents=tuple(extents), rank=rank)
+    return tuple(extents)
 
 
 def _extent(key: str, x: Any, chunks: list[ChunkRef], where: str) -> None:

@@ -29,6 +29,7 @@ from flashckpt.errors import (
     SaveError,
     StateMismatchError,
     StorageError,
+    UnsupportedFormatError,
     UnsupportedStateError,
 )
 from flashckpt.version import IMPORTED_T as _IMPORTED_T  # noqa: F401 (a restart milestone)
@@ -91,6 +92,7 @@ __all__ = [
     "SaveStats",
     "StateMismatchError",
     "StorageError",
+    "UnsupportedFormatError",
     "UnsupportedStateError",
     "__version__",
     "policy",

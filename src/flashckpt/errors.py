@@ -44,6 +44,17 @@ class ManifestError(CorruptCheckpointError):
     """A manifest is not valid JSON or violates the schema (possibly hostile)."""
 
 
+class UnsupportedFormatError(FlashCkptError):
+    """A checkpoint in a format this flashckpt does not read: a newer flashckpt wrote it. It is
+    not damage: a restore raises instead of skipping it for an older step, and no cleanup
+    replaces or deletes it. Upgrade flashckpt to read it, or restore an older step by number."""
+
+    def __init__(self, message: str, *, step: int | None = None, version: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.version = version
+
+
 class StateMismatchError(FlashCkptError):
     """The checkpoint does not match the target state (missing keys, unexpected keys, shapes)."""
 
@@ -92,5 +103,6 @@ __all__ = [
     "SaveError",
     "StateMismatchError",
     "StorageError",
+    "UnsupportedFormatError",
     "UnsupportedStateError",
 ]

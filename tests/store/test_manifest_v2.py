@@ -143,8 +143,12 @@ def test_compact_extents_are_checked_like_a_shards(tmp_path: Path, extents, matc
     _refused(doc, match)
 
 
-@pytest.mark.parametrize("version", ["2", 2.0, 3, 0, None])
+@pytest.mark.parametrize("version", ["2", 2.0, 0, -3, None])
 def test_an_unknown_version_is_refused_by_name(tmp_path: Path, version: object) -> None:
+    """Not a version any flashckpt writes: damage. (A newer one is not: test_newer_format.)"""
     doc = _doc(tmp_path)
     doc["version"] = version
-    _refused(doc, "format version .* is not supported .*reads versions 1, 2.*upgrade")
+    _refused(doc, "format version .* is not supported .*reads versions 1, 2.*is damaged")
+    doc["version"] = 3
+    with pytest.raises(flashckpt.UnsupportedFormatError, match=r"version 3; .*reads versions 1, 2"):
+        parse_manifest(json.dumps(doc).encode())

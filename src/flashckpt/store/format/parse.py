@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from flashckpt.errors import ManifestError
+from flashckpt.errors import ManifestError, UnsupportedFormatError
 from flashckpt.store.files.jsonfile import depth_of, load_json
 from flashckpt.store.files.limits import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
 from flashckpt.store.format.dtypes import itemsize
@@ -35,6 +35,7 @@ from flashckpt.store.format.manifest import (
     TensorEntry,
 )
 from flashckpt.store.format.tiling import check_tiling
+from flashckpt.version import __version__
 
 T = TypeVar("T")
 
@@ -81,10 +82,21 @@ def parse_manifest(data: bytes, *, where: str = "manifest", whole: bool = True) 
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a flashckpt manifest")
     version = doc.get("version")
+    if type(version) is int and version > max(READABLE):
+        step = doc.get("step")
+        raise UnsupportedFormatError(
+            f"{where}: written by a newer flashckpt (manifest format version {version}; this "
+            f"flashckpt {__version__} reads versions {', '.join(map(str, READABLE))}). It is not "
+            "damage and is left as it is: upgrade flashckpt to restore it, or restore an older "
+            "step by number (restore(state, step=N))",
+            step=step if type(step) is int else None,
+            version=version,
+        )
     if type(version) is not int or version not in READABLE:
         raise ManifestError(
             f"{where}: format version {version!r} is not supported by this flashckpt "
-            f"(reads versions {', '.join(map(str, READABLE))}); upgrade flashckpt"
+            f"(reads versions {', '.join(map(str, READABLE))}) and is no version any flashckpt "
+            "writes: the manifest is damaged"
         )
     try:
         return _parse_doc(doc, where, whole, compact=version >= 2)

@@ -27,7 +27,7 @@ from flashckpt.state.capture import check_state, is_stateful
 from flashckpt.state.compiled import canonical, canonical_key, prefix_hint, rekey_like
 from flashckpt.state.dtensor import is_dtensor, local_shard
 from flashckpt.state.optim_names import by_id, check_param_groups
-from flashckpt.state.tree import decode_tree, encode_tree, tensor_refs
+from flashckpt.state.tree import decode_tree, tensor_leaves, tensor_refs
 from flashckpt.store.format.dtypes import torch_dtype
 from flashckpt.store.format.manifest import Manifest, TensorEntry
 
@@ -117,8 +117,7 @@ def _plan_entry(plan: RestorePlan, manifest: Manifest, name: str, value: Any) ->
         by_id(plan.trees[name], value, plan.state, entry=name)
         check_param_groups(plan.trees[name], value, plan.state, entry=name)
     plan.raws[name] = target_raw = value.state_dict() if is_stateful(value) else value
-    _, leaves = encode_tree(canonical(target_raw, name), name)
-    live = {leaf.key: leaf.value for leaf in leaves}  # canonical key paths
+    live = tensor_leaves(canonical(target_raw, name), name)  # canonical key paths
     saved = tensor_refs(plan.trees[name])  # stored paths (older versions kept "_orig_mod.")
     stored = {canonical_key(k): k for _, k in saved}
     problems: list[str] = []

@@ -137,6 +137,23 @@ def encode_tree(obj: Any, path: str) -> tuple[Any, list[Leaf]]:
     return enc.encode(obj, path), enc.leaves
 
 
+class _LeafValues(Encoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[str, torch.Tensor | np.ndarray] = {}
+
+    def add_leaf(self, key: str, value: torch.Tensor | np.ndarray) -> None:
+        self.values[key] = value
+
+
+def tensor_leaves(obj: Any, path: str) -> dict[str, torch.Tensor | np.ndarray]:
+    """``{key: tensor}`` of the leaves :func:`encode_tree` would find (a restore's targets),
+    without a :class:`Leaf` per tensor."""
+    enc = _LeafValues()
+    enc.encode(obj, path)
+    return enc.values
+
+
 TensorLookup = Callable[[str, str], Any]
 """``lookup(kind, key)`` returns the tensor ("torch") or array ("numpy") stored under ``key``."""
 
@@ -205,17 +222,35 @@ def _no_tensors(kind: str, key: str) -> Any:
 
 
 def tensor_refs(node: Any, depth: int = 0) -> list[tuple[str, str]]:
-    """All ``(kind, key)`` tensor references in a JSON tree, in order."""
+    """All ``(kind, key)`` tensor references in a JSON tree, in order. Every list or object is
+    one level, a reference ``{"__t__": key}`` is not descended into, and no value may sit deeper
+    than ``_MAX_DEPTH`` (store/format/parse.py refuses the same trees)."""
+    out: list[tuple[str, str]] = []
+    _refs(node, depth, out)
+    return out
+
+
+def _refs(node: Any, depth: int, out: list[tuple[str, str]]) -> None:
     if depth > _MAX_DEPTH:
         raise ManifestError(f"state tree nested deeper than {_MAX_DEPTH}")
-    out: list[tuple[str, str]] = []
     if isinstance(node, list):
-        for v in node:
-            out += tensor_refs(v, depth + 1)
+        children: Any = node
     elif isinstance(node, dict):
         if len(node) == 1 and ("__t__" in node or "__np__" in node):
             ((tag, val),) = node.items()
-            return [("torch" if tag == "__t__" else "numpy", str(val))]
-        for v in node.values():
-            out += tensor_refs(v, depth + 1)
-    return out
+            out.append(("torch" if tag == "__t__" else "numpy", str(val)))
+            return
+        children = node.values()
+    else:
+        return
+    below = depth + 1
+    for v in children:  # a reference is read here, without a call per tensor
+        if below <= _MAX_DEPTH and type(v) is dict and len(v) == 1:
+            if "__t__" in v:
+                out.append(("torch", str(v["__t__"])))
+                continue
+            if "__np__" in v:
+                out.append(("numpy", str(v["__np__"])))
+                continue
+        if below > _MAX_DEPTH or isinstance(v, (list, dict)):
+            _refs(v, below, out)

@@ -403,6 +403,8 @@ class Checkpointer:
         ``step`` is None; with an explicit ``step`` it raises :class:`CorruptCheckpointError`
         naming the key and chunk. When no checkpoint loads after bytes already reached the
         live state, it raises :class:`CorruptCheckpointError` saying so, never returns None.
+        A step written by a newer flashckpt raises :class:`UnsupportedFormatError` (not damage:
+        it is not skipped for an older step).
         """
         self._check_open()
         self._marker.restoring()  # times a restart (engine/runtime/restart.py)

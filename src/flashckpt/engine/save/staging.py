@@ -19,7 +19,9 @@ The pinning goes through engine/device.py, under the device of the save's first 
 A fresh arena costs its page faults on first touch (measured on the 2-core CPU host: 3.2-3.6 s
 to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves and populates it
 in the background (:meth:`StagingPool.warm`, started by engine/save/warmup.py; the kernel faults
-each piece in with ``MADV_POPULATE_WRITE``) before the first save needs it; an arena a save
+each piece in with ``MADV_POPULATE_WRITE``) before the first save needs it, never holding the
+pool's lock while it waits or faults, so a save never waits for that low-priority thread; an
+arena a save
 reserves itself (a fresh root: nothing sized it before) is mapped with ``MAP_POPULATE``, which
 faults it in about twice as fast as the first copy would; :meth:`close` gives the memory back.
 With a memory tier on tmpfs the arena is a file there instead (engine/tiers/arena.py), whose
@@ -34,6 +36,7 @@ import logging
 import mmap
 import threading
 
+import numpy as np
 import torch
 
 from flashckpt.engine import device as devices
@@ -67,6 +70,7 @@ class StagingPool:
         self.reused_bytes = 0  # bytes of a file arena an earlier process left allocated
         self._closed = False
         self._map: mmap.mmap | None = None  # an anonymous arena's mapping (madvise in warm())
+        self._claimed = False  # a save has reserved: the warm-up touches no further piece
 
     @property
     def capacity_bytes(self) -> int:
@@ -84,7 +88,12 @@ class StagingPool:
         with self._cond:
             if self._taken:
                 raise RuntimeError("staging pool resized while chunks are staged")
+            self._claimed = True  # a warm-up still touching stops before its next piece
             self._reserve_locked(needed_bytes, pin, device, populate=True)
+            if self._arena is not None and not self._pinned and self._touched < self.capacity_bytes:
+                # what the warm-up did not reach: faulted in here, by the save's own thread,
+                # never waited for on a warm-up that runs at the background CPU level
+                self._touch(self._arena.numpy(), self._touched, self.capacity_bytes)
 
     def _reserve_locked(
         self, needed_bytes: int, pin: bool, device: str | None = None, *, populate: bool = False
@@ -137,24 +146,45 @@ class StagingPool:
         self, *, needed_bytes: int, pin: bool, stop: threading.Event, device: str | None = None
     ) -> None:
         """:meth:`reserve` ahead of the first save, then fault every page of the arena in, so
-        that save copies into resident memory. For a background thread: a save arriving
-        meanwhile waits in :meth:`reserve` only for what is left of the touching (less than
-        it would pay itself); ``stop`` (set by close) ends it between pieces. Does nothing
-        when chunks are staged or the pool is closed."""
+        that save copies into resident memory. For a background thread, which runs at the
+        background CPU level: a save never waits for it. The lock is free between pieces and
+        ``madvise`` (which keeps what a page holds) runs outside it; a save's :meth:`reserve`
+        stops the warm-up before its next piece and faults what is left in itself. ``stop``
+        (set by close) ends it between pieces. Does nothing when chunks are staged, a save
+        has reserved, or the pool is closed."""
         with self._cond:
-            if self._taken or self._closed:
+            if self._taken or self._closed or self._claimed:
                 return
             self._reserve_locked(needed_bytes, pin, device)
-            if self._arena is None or self._pinned:
+            arena, buf = self._arena, self._map
+            if arena is None or self._pinned:
                 return  # a pinned arena is resident already (page-locking faults its pages in)
-            flat = self._arena.numpy()
-            while self._touched < flat.size and not stop.is_set():
-                end = min(flat.size, self._touched + TOUCH_PIECE)
-                if not _populate(self._map, self._touched, end - self._touched):
-                    # one byte per page, with numpy (a torch op here would start torch's
-                    # intra-op threads beside the training thread's); the arena holds nothing
-                    flat[self._touched : end : PAGE] = 0
-                self._touched = end
+        flat = arena.numpy()
+        while not stop.is_set():
+            with self._cond:
+                if self._claimed or self._taken or self._arena is not arena:
+                    return  # a save has the arena now
+                start = self._touched
+                end = min(flat.size, start + TOUCH_PIECE)
+                if start >= end:
+                    return
+                if buf is None:  # no madvise: writes, so only while no save can stage
+                    _touch_pages(flat, start, end)
+                    self._touched = end
+                    continue
+            if not _populate(buf, start, end - start):  # the kernel lacks it: as above
+                with self._cond:
+                    self._map = buf = None
+                continue
+            with self._cond:
+                if self._arena is arena:
+                    self._touched = max(self._touched, end)
+
+    def _touch(self, flat: np.ndarray, start: int, end: int) -> None:
+        """Fault ``[start, end)`` in (under the lock, no chunk staged)."""
+        if not _populate(self._map, start, end - start):
+            _touch_pages(flat, start, end)
+        self._touched = end
 
     @property
     def touched_bytes(self) -> int:
@@ -268,6 +298,12 @@ def _alloc(nbytes: int, *, populate: bool = False) -> tuple[torch.Tensor, mmap.m
         flags |= getattr(mmap, "MAP_POPULATE", 0)
     m = mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(m, dtype=torch.uint8), m
+
+
+def _touch_pages(flat: np.ndarray, start: int, end: int) -> None:
+    """Write one byte per page of ``flat[start:end]`` with numpy (a torch op here would start
+    torch's intra-op threads beside the training thread's); only where nothing is staged."""
+    flat[start:end:PAGE] = 0
 
 
 def _populate(buf: mmap.mmap | None, start: int, length: int) -> bool:

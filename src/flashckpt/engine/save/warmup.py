@@ -20,8 +20,9 @@ So at construction a daemon thread, never blocking the constructor:
    the chunks the tier holds (the index the first save would otherwise build before its first
    write: one listing per chunk directory).
 
-A save that arrives before the warm-up is done works as without it: it waits in
-``StagingPool.reserve`` only for what is left of the touching. :meth:`Warmup.stop` (close)
+The warm-up thread runs at the background CPU level (engine/runtime/priority.py), so no save
+ever waits for it: a save that arrives before the warm-up is done faults what is left of the
+arena in itself (``StagingPool.reserve``), and the warm-up stops before its next piece. :meth:`Warmup.stop` (close)
 ends the warm-up between pieces and waits for its thread. A failure here is logged and
 costs nothing but the warm-up: the save path does everything again itself when needed.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -169,3 +170,88 @@ def test_promotion_runs_in_the_background_whatever_the_saves_do(tmp_path, async_
         promote = [t for t in threading.enumerate() if t.name == "flashckpt-promote"]
         assert promote and os.sched_getscheduler(promote[0].native_id) == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread never changes
+
+
+class _PolicyWhileWaited:
+    """Chunk writes (on the persist threads) wait up to 10 s for their own thread to be moved
+    to SCHED_OTHER, then record the policy they got: the loop is waiting for them by then."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self, real):
+        def put(backend, path, parts):
+            if path.startswith("chunks/"):
+                give_up = time.monotonic() + 10
+                while os.sched_getscheduler(0) != os.SCHED_OTHER and time.monotonic() < give_up:
+                    time.sleep(0.005)
+                self.seen.append(os.sched_getscheduler(0))
+            return real(backend, path, parts)
+
+        return put
+
+
+@pytest.mark.parametrize("waiter", ["wait", "next_save", "close"])
+def test_threads_the_loop_waits_for_run_at_full_speed_meanwhile(
+    tmp_path, monkeypatch, waiter
+) -> None:
+    """Regression (a priority inversion): the governor runs a save's threads at SCHED_BATCH,
+    nice 10, so they take little from training beside them; when the loop then waited for them
+    (a save or close() waiting for the save in flight, wait(), the optimizer hook waiting for
+    staging) they stayed there, and busy processes took nine tenths of each core from the
+    threads the loop stood waiting for. Now they run at SCHED_OTHER, nice 0, while it waits,
+    and go back after."""
+    from flashckpt.store.files.backend import LocalBackend
+
+    recorder = _PolicyWhileWaited()
+    monkeypatch.setattr(LocalBackend, "put", recorder(LocalBackend.put))
+    state = {"m": {f"w{i}": torch.randn(1000) for i in range(4)}}
+    ck = flashckpt.Checkpointer(tmp_path, async_save=True, chunk_size="8KiB", fsync=False)
+    try:
+        saver = ck._saver
+        handle = ck.save(1, state)
+        assert saver.priority.level == "background"  # the governor's first background save
+        if waiter == "wait":
+            ck.wait()
+        elif waiter == "next_save":
+            ck.save(2, state).wait()
+        else:
+            ck.close()
+        assert handle.durable.done()
+        assert recorder.seen and set(recorder.seen[:4]) == {os.SCHED_OTHER}, recorder.seen
+        if waiter != "close":
+            assert saver.priority.level == "background"  # and back after the wait
+            assert {os.sched_getscheduler(t) for t in saver.priority.threads} == {os.SCHED_BATCH}
+    finally:
+        ck.close()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread never changes
+
+
+def test_the_optimizer_hook_waits_for_staging_at_full_speed(tmp_path, monkeypatch) -> None:
+    """The same for the optimizer pre-step hook: staging (on the stager thread) is held until
+    its thread runs at SCHED_OTHER, which happens only once the hook waits for it."""
+    from flashckpt.engine.save import job as job_mod
+
+    seen: list[int] = []
+    real_stage = job_mod.SaveJob.run
+
+    def run(self):
+        give_up = time.monotonic() + 10
+        while os.sched_getscheduler(0) != os.SCHED_OTHER and time.monotonic() < give_up:
+            time.sleep(0.005)
+        seen.append(os.sched_getscheduler(0))
+        return real_stage(self)
+
+    monkeypatch.setattr(job_mod.SaveJob, "run", run)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    with flashckpt.Checkpointer(tmp_path, async_save=True, fsync=False) as ck:
+        handle = ck.save(1, {"model": model, "opt": opt})
+        assert not handle.staged.done() and ck._saver.priority.level == "background"
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()  # the pre-step hook waits for staging
+        assert handle.staged.done()
+        assert seen == [os.SCHED_OTHER], seen
+        assert ck._saver.priority.level == "background"

@@ -377,7 +377,7 @@ class Checkpointer:
         return self._dist.run_save(step, lambda: self._saver.save(step, state))
 
     def _wait_current(self) -> None:
-        self._inflight.wait_durable()
+        self._saver.wait_durable()
 
     def _raise_pending(self) -> None:
         self._inflight.raise_pending()

@@ -35,6 +35,11 @@ class InFlight:
             return set()
         return job.pinned_hashes
 
+    def staging(self) -> bool:
+        """Whether the save in flight is still staging (the optimizer hook would wait)."""
+        handle = self.handle
+        return handle is not None and not handle.staged.done()
+
     def wait_staged(self) -> None:
         """For the optimizer pre-step hook: wait for staging, count it as blocking time on the
         save's handle, never raise (a failure surfaces on the handle, next save, or close)."""

@@ -14,6 +14,12 @@ levels:
 * **foreground** (the loop waits): ``SCHED_OTHER`` at nice 0, so the save finishes as fast as
   the host allows.
 
+Whenever the loop waits for the save's threads (the optimizer hook waiting for staging, a save
+or ``close``/``restore``/``wait`` waiting for the save in flight), they run at the foreground
+level for as long as it waits (:meth:`ThreadPriority.waited_on`), whatever level the governor
+gave them: a thread the loop waits for never runs at the level meant for work beside it (busy
+processes on the cores took nine tenths of each core from it while the loop stood still).
+
 Threads whose work no save waits for (promotion to the slower tiers and its copy threads,
 the idle scrub on the promotion thread, the warm-up) register with
 :meth:`ThreadPriority.register_background` and stay at the background level for good. Before,
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 BACKGROUND_NICE = 10
@@ -95,6 +103,20 @@ class ThreadPriority:
                     self._apply(tid, level)
                 elif not thread.is_alive():
                     self._forget(tid)
+
+    @contextmanager
+    def waited_on(self) -> Iterator[None]:
+        """The loop waits for the save's threads: at the foreground level meanwhile, then back
+        to the level they had (see the module)."""
+        prev = self.level
+        if prev == "foreground" or not self._works:
+            yield
+            return
+        self.set("foreground")
+        try:
+            yield
+        finally:
+            self.set(prev)
 
     @property
     def threads(self) -> list[int]:

@@ -121,7 +121,16 @@ class SavePath:
         """The async saves' optimizer pre-step hook: a step begins (the governor's clock),
         and it waits for staging of the save in flight."""
         self.governor.tick()
-        self.inflight.wait_staged()
+        if self.inflight.staging():
+            with self.priority.waited_on():  # the loop waits: the save's threads at full speed
+                self.inflight.wait_staged()
+
+    def wait_durable(self) -> None:
+        """The loop waits for the save in flight to end (a save, ``wait``, ``close``,
+        ``restore``), its threads at the foreground level meanwhile (engine/runtime/priority.py)."""
+        if self.inflight.busy():
+            with self.priority.waited_on():
+                self.inflight.wait_durable()
 
     def stop(self) -> None:
         """Remove the optimizer gate, stop the threads (after their work), free the arena."""
@@ -140,7 +149,7 @@ class SavePath:
                     "save_skipped", step=step, reason="previous save still persisting"
                 )
                 return SaveHandle.done_skipped(step)
-            self.inflight.wait_durable()  # counted in this save's blocking time
+            self.wait_durable()  # counted in this save's blocking time
             self.inflight.raise_pending()
         if not self.options.async_save:
             self.after.wait()  # the previous save's retention (engine/tiers/aftersave.py)

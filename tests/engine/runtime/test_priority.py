@@ -165,7 +165,11 @@ def test_promotion_runs_in_the_background_whatever_the_saves_do(tmp_path, async_
         if async_save:
             ck._saver.governor.mode = FOREGROUND
         ck.save(1, state).wait()
-        assert ck.wait_promoted()
+        # not wait_promoted(): a promotion waited on runs at full speed meanwhile (below)
+        give_up = time.monotonic() + 30
+        while not (tmp_path / "root" / "steps" / "000000000001.json").exists():
+            assert time.monotonic() < give_up, "the promotion did not finish"
+            time.sleep(0.01)
         assert seen and {policy for _, policy in seen} == {os.SCHED_BATCH}, seen
         promote = [t for t in threading.enumerate() if t.name == "flashckpt-promote"]
         assert promote and os.sched_getscheduler(promote[0].native_id) == os.SCHED_BATCH
@@ -255,3 +259,60 @@ def test_the_optimizer_hook_waits_for_staging_at_full_speed(tmp_path, monkeypatc
         assert handle.staged.done()
         assert seen == [os.SCHED_OTHER], seen
         assert ck._saver.priority.level == "background"
+
+
+def test_background_only_threads_run_at_full_speed_while_waited_on() -> None:
+    p = ThreadPriority(use_nice=False)
+    tid, done, t = _thread(p, background_only=True)
+    try:
+        with p.background_waited_on():
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+            with p.background_waited_on():  # overlapping waits: the last one out moves back
+                late, late_done, late_t = _thread(p, background_only=True)
+                assert os.sched_getscheduler(late) == os.SCHED_OTHER  # started while waited on
+            assert {os.sched_getscheduler(x) for x in (tid, late)} == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(x) for x in (tid, late)} == {os.SCHED_BATCH}
+        p.set("foreground")  # the save's level never moves them
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+    finally:
+        done.set()
+        late_done.set()
+        t.join()
+        late_t.join()
+
+
+class _PromotionWaitedOn(_PolicyWhileWaited):
+    def __call__(self, real):
+        inner = super().__call__(real)
+
+        def put(backend, path, parts):
+            if threading.current_thread().name.startswith("flashckpt-copy"):
+                return inner(backend, path, parts)
+            return real(backend, path, parts)
+
+        return put
+
+
+def test_promotion_runs_at_full_speed_while_waited_on(tmp_path, monkeypatch) -> None:
+    """Regression (the same inversion, one level down): the promotion threads run at the
+    background level for good, and wait_promoted(), close() and a save waiting for room in a
+    full promotion queue (``on_full="wait"``, the default) waited for them there. Now they run
+    at SCHED_OTHER while waited on (each copy of a chunk to disk is held here until its thread
+    does), and go back after."""
+    from flashckpt.store.files.backend import LocalBackend
+
+    recorder = _PromotionWaitedOn()
+    monkeypatch.setattr(LocalBackend, "put", recorder(LocalBackend.put))
+    state = {"m": {f"w{i}": torch.randn(1000) for i in range(4)}}
+    with flashckpt.Checkpointer(
+        tmp_path / "root",
+        memory_tier=tmp_path / "mem",
+        async_save=True,
+        chunk_size="8KiB",
+        fsync=False,
+    ) as ck:
+        ck.save(1, state).wait()
+        assert ck.wait_promoted()
+        assert recorder.seen and set(recorder.seen) == {os.SCHED_OTHER}, recorder.seen
+        promote = [t for t in threading.enumerate() if t.name == "flashckpt-promote"]
+        assert promote and os.sched_getscheduler(promote[0].native_id) == os.SCHED_BATCH

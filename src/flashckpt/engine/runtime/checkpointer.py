@@ -237,6 +237,9 @@ class Checkpointer:
         self._pool, self._workers, self._after = sv.pool, sv.workers, sv.after
         # work no save waits for runs at the background CPU level for good
         self._tiers.promoter.on_thread_start(sv.priority.register_background)
+        self._tiers.promoter.on_wait(
+            sv.priority.background_waited_on
+        )  # and full speed while waited on
         self._warmup = Warmup(
             pool=sv.pool,
             executors=[(sv.stager, 1), (sv.workers, sv.threads)],

@@ -14,6 +14,10 @@ levels:
 * **foreground** (the loop waits): ``SCHED_OTHER`` at nice 0, so the save finishes as fast as
   the host allows.
 
+The same holds for the background-only threads below: while something waits for them (a save
+waiting for room in the promotion queue, ``close`` or ``wait_promoted`` draining it) they run
+at the foreground level (:meth:`ThreadPriority.background_waited_on`).
+
 Whenever the loop waits for the save's threads (the optimizer hook waiting for staging, a save
 or ``close``/``restore``/``wait`` waiting for the save in flight), they run at the foreground
 level for as long as it waits (:meth:`ThreadPriority.waited_on`), whatever level the governor
@@ -70,6 +74,7 @@ class ThreadPriority:
     # the training thread even, would be moved)
     _tids: dict[int, threading.Thread] = field(default_factory=dict)
     _always: set[int] = field(default_factory=set)  # registered with register_background
+    _raised: int = 0  # waits on the background-only threads in progress (background_waited_on)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _works: bool = _BATCH is not None and hasattr(os, "sched_setscheduler")
 
@@ -90,7 +95,7 @@ class ThreadPriority:
         with self._lock:
             self._tids[tid] = threading.current_thread()
             self._always.add(tid)
-            self._apply(tid, "background")
+            self._apply(tid, "foreground" if self._raised else "background")
 
     def set(self, level: str) -> None:
         """Move every registered thread to ``level`` (``background`` or ``foreground``)."""
@@ -117,6 +122,25 @@ class ThreadPriority:
             yield
         finally:
             self.set(prev)
+
+    @contextmanager
+    def background_waited_on(self) -> Iterator[None]:
+        """Something waits for the background-only threads (a save waiting for room in the
+        promotion queue, ``close`` or ``wait_promoted`` draining it): they run at the
+        foreground level meanwhile. Waits may overlap; the last one to end moves them back."""
+        with self._lock:
+            self._raised += 1
+            if self._raised == 1:
+                for tid in list(self._always):
+                    self._apply(tid, "foreground")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._raised -= 1
+                if self._raised == 0:
+                    for tid in list(self._always):
+                        self._apply(tid, "background")
 
     @property
     def threads(self) -> list[int]:

@@ -22,9 +22,10 @@ So at construction a daemon thread, never blocking the constructor:
 
 The warm-up thread runs at the background CPU level (engine/runtime/priority.py), so no save
 ever waits for it: a save that arrives before the warm-up is done faults what is left of the
-arena in itself (``StagingPool.reserve``), and the warm-up stops before its next piece. :meth:`Warmup.stop` (close)
-ends the warm-up between pieces and waits for its thread. A failure here is logged and
-costs nothing but the warm-up: the save path does everything again itself when needed.
+arena in itself (``StagingPool.reserve``), and the warm-up stops before its next piece.
+:meth:`Warmup.stop` (close) ends the warm-up between pieces and waits for its thread. A
+failure here is logged and costs nothing but the warm-up: the save path does everything again
+itself when needed.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -147,6 +148,9 @@ class Promoter:
         self._idle: IdleWork | None = None
         self._idle_at = 0.0  # time.monotonic() of the next idle step
         self._thread_start: Callable[[], None] | None = None
+        # entered while someone waits for this thread and its copy threads (the runtime runs
+        # them at the foreground level meanwhile: engine/runtime/priority.py)
+        self._waited_on: Callable[[], AbstractContextManager[object]] = nullcontext
 
     def idle_work(self, work: IdleWork) -> None:
         """Run ``work`` whenever no promotion is queued (starts the thread)."""
@@ -164,6 +168,11 @@ class Promoter:
         self._copier.thread_start = hook
         self._thread_start = hook
 
+    def on_wait(self, waited_on: Callable[[], AbstractContextManager[object]]) -> None:
+        """Enter ``waited_on()`` whenever a caller waits for the promotion (room in a full
+        queue, :meth:`drain`): the runtime raises the promotion threads' CPU level there."""
+        self._waited_on = waited_on
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="flashckpt-promote", daemon=True)
@@ -174,10 +183,9 @@ class Promoter:
         happens when the queue is full."""
         dropped: list[PromoteTask] = []
         with self._cv:
+            if self.options.on_full == "wait":
+                self._wait_for_room()
             while len(self._queue) >= self.options.max_queued and not self._stopping:
-                if self.options.on_full == "wait":
-                    self._cv.wait(1.0)
-                    continue
                 dropped.append(self._queue.popleft())
             closed = self._stopping
             if not closed:
@@ -232,12 +240,23 @@ class Promoter:
         """Wait until every queued promotion finished; False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
-            while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
+            if not (self._queue or self._busy):
+                return True
+            with self._waited_on():
+                while self._queue or self._busy:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cv.wait(left)
         return True
+
+    def _wait_for_room(self) -> None:
+        """(Under the lock.) ``on_full="wait"``: until the queue has room or the thread stops."""
+        if len(self._queue) < self.options.max_queued or self._stopping:
+            return
+        with self._waited_on():
+            while len(self._queue) >= self.options.max_queued and not self._stopping:
+                self._cv.wait(1.0)
 
     def stop(self) -> bool:
         """Stop after the chunk being copied; drop (and journal) what is still queued. True

@@ -316,3 +316,24 @@ def test_promotion_runs_at_full_speed_while_waited_on(tmp_path, monkeypatch) -> 
         assert recorder.seen and set(recorder.seen) == {os.SCHED_OTHER}, recorder.seen
         promote = [t for t in threading.enumerate() if t.name == "flashckpt-promote"]
         assert promote and os.sched_getscheduler(promote[0].native_id) == os.SCHED_BATCH
+
+
+def test_wait_runs_the_staging_threads_queue_at_full_speed(tmp_path) -> None:
+    """wait() also waits for what the staging thread has queued (a durable callback: its
+    promotion, retention and gc): that thread runs at SCHED_OTHER meanwhile. Here nothing is
+    in flight, so only that wait can raise it."""
+    with flashckpt.Checkpointer(tmp_path, async_save=True, fsync=False) as ck:
+        ck.save(1, {"w": torch.randn(1000)}).wait()
+        assert ck._saver.priority.level == "background"
+        seen: list[int] = []
+
+        def queued() -> None:
+            give_up = time.monotonic() + 10
+            while os.sched_getscheduler(0) != os.SCHED_OTHER and time.monotonic() < give_up:
+                time.sleep(0.005)
+            seen.append(os.sched_getscheduler(0))
+
+        ck._saver.stager.submit(queued)
+        ck.wait()
+        assert seen == [os.SCHED_OTHER]
+        assert ck._saver.priority.level == "background"

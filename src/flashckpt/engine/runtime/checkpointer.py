@@ -315,7 +315,7 @@ class Checkpointer:
         if self._closed:
             return
         if exits.finish_in_flight(self._inflight, self.journal, wait_s):
-            self._after.settle()  # its durable callback has run
+            self._saver.settle()  # its durable callback has run
             self._tiers.promote_deferred()
             self._tiers.promoter.drain(self._promotion.close_timeout_s)
 
@@ -328,7 +328,7 @@ class Checkpointer:
         """Block until the in-flight save (if any) is durable; raise its error."""
         self._take_over()
         self._wait_current()
-        self._after.settle()
+        self._saver.settle()
         self._raise_pending()
 
     def wait_promoted(self, timeout_s: float | None = None) -> bool:
@@ -336,7 +336,7 @@ class Checkpointer:
         finished (or gave up); False when ``timeout_s`` ran out first."""
         self._take_over()
         self._wait_current()
-        self._after.settle()  # its durable callback queued the promotion
+        self._saver.settle()  # its durable callback queued the promotion
         return self._tiers.promoter.drain(timeout_s)
 
     def steps(self) -> list[int]:

@@ -125,6 +125,12 @@ class SavePath:
             with self.priority.waited_on():  # the loop waits: the save's threads at full speed
                 self.inflight.wait_staged()
 
+    def settle(self) -> None:
+        """The loop waits for what the staging thread has queued (a durable callback, its
+        promotion and retention): that thread at the foreground level meanwhile."""
+        with self.priority.waited_on():
+            self.after.settle()
+
     def wait_durable(self) -> None:
         """The loop waits for the save in flight to end (a save, ``wait``, ``close``,
         ``restore``), its threads at the foreground level meanwhile (engine/runtime/priority.py)."""

@@ -337,3 +337,35 @@ def test_wait_runs_the_staging_threads_queue_at_full_speed(tmp_path) -> None:
         ck.wait()
         assert seen == [os.SCHED_OTHER]
         assert ck._saver.priority.level == "background"
+
+
+def test_a_save_waiting_for_room_in_the_promotion_queue_raises_the_promotion(
+    tmp_path, monkeypatch
+) -> None:
+    """``Promotion(on_full="wait")``: the durable callback of save 3 waits for room while step 1
+    is copied and step 2 is queued; the copies (held until their thread runs at SCHED_OTHER)
+    go on only because that wait raised them. No drain, no wait_promoted() here."""
+    from flashckpt.engine.tiers.promote import Promotion
+    from flashckpt.store.files.backend import LocalBackend
+
+    recorder = _PromotionWaitedOn()
+    monkeypatch.setattr(LocalBackend, "put", recorder(LocalBackend.put))
+    state = {"m": {f"w{i}": torch.randn(1000) for i in range(4)}}
+    root = tmp_path / "root"
+    with flashckpt.Checkpointer(
+        root,
+        memory_tier=tmp_path / "mem",
+        async_save=True,
+        chunk_size="8KiB",
+        fsync=False,
+        promotion=Promotion(max_queued=1, on_full="wait"),
+    ) as ck:
+        for step in (1, 2, 3):
+            state["m"]["w0"].add_(1)
+            ck.save(step, state).wait()
+        give_up = time.monotonic() + 60
+        while not (root / "steps" / "000000000001.json").exists():
+            assert time.monotonic() < give_up, "the promotion of step 1 did not finish"
+            time.sleep(0.01)
+        first = list(recorder.seen)
+        assert first and set(first) == {os.SCHED_OTHER}, first

@@ -14,10 +14,6 @@ levels:
 * **foreground** (the loop waits): ``SCHED_OTHER`` at nice 0, so the save finishes as fast as
   the host allows.
 
-The same holds for the background-only threads below: while something waits for them (a save
-waiting for room in the promotion queue, ``close`` or ``wait_promoted`` draining it) they run
-at the foreground level (:meth:`ThreadPriority.background_waited_on`).
-
 Whenever the loop waits for the save's threads (the optimizer hook waiting for staging, a save
 or ``close``/``restore``/``wait`` waiting for the save in flight), they run at the foreground
 level for as long as it waits (:meth:`ThreadPriority.waited_on`), whatever level the governor
@@ -26,10 +22,14 @@ processes on the cores took nine tenths of each core from it while the loop stoo
 
 Threads whose work no save waits for (promotion to the slower tiers and its copy threads,
 the idle scrub on the promotion thread, the warm-up) register with
-:meth:`ThreadPriority.register_background` and stay at the background level for good. Before,
-they ran at nice 0 beside training: on the 2-core CI VM, with a memory tier, a one-thread
-training loop waited 14-18 ms per 256 MiB save for a CPU the promotion held, 2-4 ms since
-(``benchmarks/save_waits.py``; BENCHMARKS.md, "What a save costs the training loop").
+:meth:`ThreadPriority.register_background` and stay at the background level whatever the
+save's threads do. Before, they ran at nice 0 beside training: on the 2-core CI VM, with a
+memory tier, a one-thread training loop waited 14-18 ms per 256 MiB save for a CPU the
+promotion held, 2-4 ms since (``benchmarks/save_waits.py``; BENCHMARKS.md, "What a save costs
+the training loop").
+The same rule holds for them: while something waits for them (a save waiting for room in the
+promotion queue, ``close`` or ``wait_promoted`` draining it) they run at the foreground level
+(:meth:`ThreadPriority.background_waited_on`).
 
 An unprivileged process can move a thread from ``SCHED_BATCH`` back to ``SCHED_OTHER`` but not
 raise its nice value back (nor leave ``SCHED_IDLE``): it gets ``SCHED_BATCH`` alone rather than a

@@ -21,9 +21,9 @@ to first write 1.2 GB, 0.5 s to write it again), so a new Checkpointer reserves 
 in the background (:meth:`StagingPool.warm`, started by engine/save/warmup.py; the kernel faults
 each piece in with ``MADV_POPULATE_WRITE``) before the first save needs it, never holding the
 pool's lock while it waits or faults, so a save never waits for that low-priority thread; an
-arena a save
-reserves itself (a fresh root: nothing sized it before) is mapped with ``MAP_POPULATE``, which
-faults it in about twice as fast as the first copy would; :meth:`close` gives the memory back.
+arena a save reserves itself (a fresh root: nothing sized it before) is mapped with
+``MAP_POPULATE``, which faults it in about twice as fast as the first copy would; :meth:`close`
+gives the memory back.
 With a memory tier on tmpfs the arena is a file there instead (engine/tiers/arena.py), whose
 pages outlive a killed process: a restarted process maps them resident, and its first save
 copies at the speed of a warm one.

@@ -14,11 +14,15 @@ levels:
 * **foreground** (the loop waits): ``SCHED_OTHER`` at nice 0, so the save finishes as fast as
   the host allows.
 
-Whenever the loop waits for the save's threads (the optimizer hook waiting for staging, a save
-or ``close``/``restore``/``wait`` waiting for the save in flight), they run at the foreground
-level for as long as it waits (:meth:`ThreadPriority.waited_on`), whatever level the governor
-gave them: a thread the loop waits for never runs at the level meant for work beside it (busy
-processes on the cores took nine tenths of each core from it while the loop stood still).
+Whenever the loop waits for the save's threads they run at the foreground level for as long as
+it waits (:meth:`ThreadPriority.waited_on`), whatever level the governor gave them: a thread the
+loop waits for never runs at the level meant for work beside it (busy processes on the cores
+took nine tenths of each core from it while the loop stood still). Every wait for a save goes
+through its handle's futures (engine/save/handle.py, :class:`Outcome`), which hold this hook:
+the optimizer hook waiting for staging, ``save()`` waiting for the save in flight or for its own
+staging, ``close``/``restore``/``wait``, the exit handler, and the caller's own
+``handle.wait()``, ``handle.staged.result()`` or ``.exception()``. Waits may overlap (another
+thread waiting on a handle); the threads go back when the last one ends.
 
 Threads whose work no save waits for (promotion to the slower tiers and its copy threads,
 the idle scrub on the promotion thread, the warm-up) register with
@@ -68,13 +72,14 @@ class ThreadPriority:
     """The registered background threads and the level they run at (see the module doc)."""
 
     use_nice: bool = field(default_factory=may_raise_priority)
-    level: str = "background"  # what the threads were last set to
+    level: str = "background"  # the governor's level (the threads run at it while no one waits)
     # thread ids are reused by the kernel once a thread ended: each is kept with its Thread and
     # touched only while that thread is alive (else a later, unrelated thread with the same id,
     # the training thread even, would be moved)
     _tids: dict[int, threading.Thread] = field(default_factory=dict)
     _always: set[int] = field(default_factory=set)  # registered with register_background
     _raised: int = 0  # waits on the background-only threads in progress (background_waited_on)
+    _waits: int = 0  # waits on the save's threads in progress (waited_on)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _works: bool = _BATCH is not None and hasattr(os, "sched_setscheduler")
 
@@ -84,7 +89,7 @@ class ThreadPriority:
         with self._lock:
             self._tids[tid] = threading.current_thread()
             self._always.discard(tid)  # (an id an ended background-only thread had)
-            self._apply(tid, self.level)
+            self._apply(tid, self._effective())
 
     def register_background(self) -> None:
         """Called as it starts by a thread whose work no save ever waits for (promotion to the
@@ -98,30 +103,42 @@ class ThreadPriority:
             self._apply(tid, "foreground" if self._raised else "background")
 
     def set(self, level: str) -> None:
-        """Move every registered thread to ``level`` (``background`` or ``foreground``)."""
+        """The level the governor gives the save's threads (``background`` or
+        ``foreground``); they move there now, or when the last wait on them ends."""
         with self._lock:
-            if level == self.level:
-                return
+            before = self._effective()
             self.level = level
-            for tid, thread in list(self._tids.items()):
-                if tid not in self._always:
-                    self._apply(tid, level)
-                elif not thread.is_alive():
-                    self._forget(tid)
+            self._move(before)
+
+    def _effective(self) -> str:
+        return "foreground" if self._waits else self.level
+
+    def _move(self, before: str) -> None:
+        """Under the lock: every registered save thread to the effective level, if it moved."""
+        now = self._effective()
+        if now == before:
+            return
+        for tid, thread in list(self._tids.items()):
+            if tid not in self._always:
+                self._apply(tid, now)
+            elif not thread.is_alive():
+                self._forget(tid)
 
     @contextmanager
     def waited_on(self) -> Iterator[None]:
-        """The loop waits for the save's threads: at the foreground level meanwhile, then back
-        to the level they had (see the module)."""
-        prev = self.level
-        if prev == "foreground" or not self._works:
-            yield
-            return
-        self.set("foreground")
+        """The loop waits for the save's threads: at the foreground level meanwhile, then at
+        the governor's level again once no one waits (see the module)."""
+        with self._lock:
+            before = self._effective()
+            self._waits += 1
+            self._move(before)
         try:
             yield
         finally:
-            self.set(prev)
+            with self._lock:
+                before = self._effective()
+                self._waits -= 1
+                self._move(before)
 
     @contextmanager
     def background_waited_on(self) -> Iterator[None]:

@@ -121,9 +121,8 @@ class SavePath:
         """The async saves' optimizer pre-step hook: a step begins (the governor's clock),
         and it waits for staging of the save in flight."""
         self.governor.tick()
-        if self.inflight.staging():
-            with self.priority.waited_on():  # the loop waits: the save's threads at full speed
-                self.inflight.wait_staged()
+        if self.inflight.staging():  # (the wait raises the save's threads: SaveHandle)
+            self.inflight.wait_staged()
 
     def settle(self) -> None:
         """The loop waits for what the staging thread has queued (a durable callback, its
@@ -133,10 +132,9 @@ class SavePath:
 
     def wait_durable(self) -> None:
         """The loop waits for the save in flight to end (a save, ``wait``, ``close``,
-        ``restore``), its threads at the foreground level meanwhile (engine/runtime/priority.py)."""
-        if self.inflight.busy():
-            with self.priority.waited_on():
-                self.inflight.wait_durable()
+        ``restore``), its threads at the foreground level meanwhile (the handle's futures hold
+        the hook: engine/save/handle.py)."""
+        self.inflight.wait_durable()
 
     def stop(self) -> None:
         """Remove the optimizer gate, stop the threads (after their work), free the arena."""
@@ -174,6 +172,7 @@ class SavePath:
         if overlap:
             copy_unprotected(captured, protected_pointers(optimizers) | module_pointers(state))
         handle = SaveHandle(step=step, stats=SaveStats(step=step))
+        handle.waited_on(self.priority.waited_on)  # whoever waits for it: at full speed
         self.meter.saved(step, time.time())
         mode = self.governor.started(step) if self.options.async_save else None
         if mode is not None:  # the loop waits for a foreground save: its threads at full speed

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,20 +24,32 @@ def as_save_error(exc: BaseException, step: int) -> BaseException:
 
 
 class Outcome(Future[Any]):
-    """A save's future that remembers whether the caller has seen its error.
+    """A save's future that remembers whether the caller has seen its error, and the one
+    gateway through which anything waits for a save.
 
     ``result()`` raising or ``exception()`` returning the error counts as delivered, so the
     next ``save()`` or ``close()`` does not raise it a second time. The engine itself waits
     through :func:`settle` / :func:`failure`, which do not count.
+
+    ``waited_on`` (set by the engine when the save starts: the save threads' priority,
+    engine/runtime/priority.py) is entered for as long as a wait on a future not yet done
+    lasts, whoever waits: the threads a caller waits for run at full speed meanwhile.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.observed = False
+        self.waited_on: Callable[[], AbstractContextManager[None]] | None = None
+
+    def waiting(self) -> AbstractContextManager[None]:
+        """What a wait on this future runs inside (nothing once it is done)."""
+        hook = self.waited_on
+        return contextlib.nullcontext() if hook is None or self.done() else hook()
 
     def result(self, timeout: float | None = None) -> Any:
         try:
-            return super().result(timeout)
+            with self.waiting():
+                return super().result(timeout)
         except FutureTimeout:
             raise
         except BaseException:
@@ -42,7 +57,8 @@ class Outcome(Future[Any]):
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        exc = super().exception(timeout)
+        with self.waiting():
+            exc = super().exception(timeout)
         if exc is not None:
             self.observed = True
         return exc
@@ -50,7 +66,8 @@ class Outcome(Future[Any]):
 
 def settle(fut: Future[Any], timeout: float | None = None) -> None:
     """Wait until ``fut`` is done without raising or marking its error delivered."""
-    Future.exception(fut, timeout)
+    with fut.waiting() if isinstance(fut, Outcome) else contextlib.nullcontext():
+        Future.exception(fut, timeout)
 
 
 def failure(fut: Future[Any]) -> BaseException | None:
@@ -145,3 +162,9 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self.durable.done()
+
+    def waited_on(self, hook: Callable[[], AbstractContextManager[None]]) -> None:
+        """Every wait on this save's futures runs inside ``hook()`` (:class:`Outcome`)."""
+        for fut in (self.staged, self.durable):
+            if isinstance(fut, Outcome):
+                fut.waited_on = hook

@@ -23,7 +23,10 @@ each piece in with ``MADV_POPULATE_WRITE``) before the first save needs it, neve
 pool's lock while it waits or faults, so a save never waits for that low-priority thread; an
 arena a save reserves itself (a fresh root: nothing sized it before) is mapped with
 ``MAP_POPULATE``, which faults it in about twice as fast as the first copy would; :meth:`close`
-gives the memory back.
+gives the memory back. Tried and dropped (BENCHMARKS.md, "Cold first save"): transparent huge
+pages, twice (on a VM whose host takes back free guest memory, populating 512 MiB took 1.0-1.2
+s instead of 0.12 s), populating on several threads (no faster) and a thread faulting ahead of
+the copies (15 ms of 200).
 With a memory tier on tmpfs the arena is a file there instead (engine/tiers/arena.py), whose
 pages outlive a killed process: a restarted process maps them resident, and its first save
 copies at the speed of a warm one.

@@ -3,6 +3,7 @@ cost the loop less, background within the budget, the other way measured again n
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -163,3 +164,57 @@ def test_the_first_save_of_a_process_is_not_a_measurement() -> None:
     with gov._lock:
         gov._settled(0.3)
     assert list(gov.costs[BACKGROUND]) == [0.3]
+
+
+def _probes(ran: list[str]) -> list[int]:
+    return [i for i, mode in enumerate(ran, 1) if mode == FOREGROUND]
+
+
+def test_probes_grow_rarer_while_the_background_clearly_wins() -> None:
+    """A foreground probe is a synchronous save (0.15 s against 0.04 s for a background save on
+    the 2-core VM's dispatch loop): one every 8 saves added a third to a save's steady cost.
+    Each probe that finds the background at most half the foreground's cost doubles the wait
+    for the next, up to probe_max."""
+    ran: list[str] = []
+    for probe_max in (64, 8):  # 8: the fixed interval of before
+        gov = Governor(probe_every=8, probe_max=probe_max)
+        gov.tick()
+        ran = []
+        for step in range(1, 400):
+            ran.append(gov.started(step))
+            with gov._lock:  # a foreground save costs 0.15 s, a background one 0.04 s
+                gov._settled(0.15 if ran[-1] == FOREGROUND else 0.04)
+        probes = _probes(ran)
+        gaps = [b - a for a, b in itertools.pairwise(probes)]
+        if probe_max == 8:
+            assert len(probes) >= 40 and set(gaps[1:]) == {8}, gaps
+            continue
+        assert probes[0] == 2  # the first foreground measurement (the budget)
+        assert gaps[0] <= 16 and gaps[1:3] == [32, 64] and set(gaps[3:]) == {64}, gaps
+        assert len(probes) <= 8
+
+
+def test_a_close_answer_or_a_dear_background_brings_the_probes_back() -> None:
+    gov = Governor(probe_every=4, probe_max=64)
+    gov.tick()
+
+    def save(step: int, bg: float, fg: float) -> str:
+        mode = gov.started(step)
+        with gov._lock:
+            gov._settled(fg if mode == FOREGROUND else bg)
+        return mode
+
+    for step in range(1, 40):  # background clearly cheaper: the wait grows
+        save(step, 0.04, 0.15)
+    assert gov._interval > 4
+    step = 40
+    while save(step, 0.1, 0.15) != FOREGROUND:  # the host got busier: the next probe...
+        step += 1
+    save(step + 1, 0.1, 0.15)
+    assert gov._interval == 4  # ...finds 0.1 > half of 0.15: probes every 4 again
+    for s in range(step + 2, step + 40):
+        save(s, 0.04, 0.15)
+    assert gov._interval > 4
+    save(step + 40, 0.9, 0.15)  # the background goes over the budget at once
+    save(step + 41, 0.9, 0.15)
+    assert gov.saturated and gov._interval == 4

@@ -14,7 +14,8 @@ engine calls from one thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError, StorageError
 from flashckpt.store.files.backend import Backend, Buffer, StagedFile
@@ -285,6 +286,10 @@ class StagedChunk:
 
     def write(self, buf: Buffer) -> None:
         self._f.write(buf)
+
+    def fill(self, views: list[Any], copy: Callable[[Any, list[Any]], object]) -> None:
+        """Write ``views`` in order; a recycled file's with one ``copy(destination, views)``."""
+        self._f.fill(views, copy)
 
     def publish(self, h: str, size: int) -> ChunkRef:
         if self._f.written != size:

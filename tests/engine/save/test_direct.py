@@ -255,3 +255,79 @@ def test_a_chunk_copied_first_that_did_not_change_is_dropped_not_stored_twice(tm
         assert ck.restore(fresh) == 5
     for a, b in zip(state["model"], fresh["model"], strict=True):
         assert torch.equal(a, b)
+
+
+def _recycling(tmp_path: Path, mem: Path, monkeypatch, helpers: int = 2):
+    """A memory-tier Checkpointer whose saves recycle the files retention frees, with
+    ``helpers`` copy threads."""
+    from flashckpt.engine.runtime import saving
+
+    monkeypatch.setattr(saving, "copy_helpers", lambda: helpers)
+    return flashckpt.Checkpointer(
+        tmp_path / "root", async_save=True, memory_tier=mem, keep_memory=1, fsync=False
+    )
+
+
+def test_a_recycled_file_is_filled_on_every_core_while_the_save_is_waited_for(
+    tmp_path, mem, monkeypatch
+):
+    """A save the loop waits for (here: a state without an optimizer, staged before save()
+    returns) fills its recycled chunk files with the copy split across the helper threads,
+    and the tier's copy restores bit for bit."""
+    from flashckpt.engine.save.copier import Copier
+
+    parts: list[int] = []
+    real = Copier.copy
+
+    def copy(self, buf, views):
+        parts.append(real(self, buf, views))
+        return parts[-1]
+
+    monkeypatch.setattr(Copier, "copy", copy)
+    state = _state(n=4, numel=512 * 1024)  # 2 MiB tensors, one chunk each
+    with _recycling(tmp_path, mem, monkeypatch) as ck:
+        for step in range(1, 5):
+            _bump(state)
+            ck.save(step, state).durable.result()
+            assert ck.wait_promoted(30)
+            ck._saver.after.wait()  # retention frees the older step's files for the next
+    assert parts and max(parts) == 3, parts  # recycled files, filled by three threads
+    fresh = _state(n=4, numel=512 * 1024)
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
+        assert ck.restore(fresh) == 4
+    for a, b in zip(state["model"], fresh["model"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_fill_of_a_recycled_file_commits_nothing_and_keeps_older_steps(
+    tmp_path, mem, monkeypatch
+):
+    from flashckpt.engine.save.copier import Copier
+
+    state = _state(n=4, numel=512 * 1024)
+    with _recycling(tmp_path, mem, monkeypatch) as ck:
+        for step in (1, 2, 3):
+            _bump(state)
+            ck.save(step, state).durable.result()
+            assert ck.wait_promoted(30)
+            ck._saver.after.wait()  # retention frees the older step's files for the next
+        real = Copier.copy
+
+        def failing(self, buf, views):
+            raise OSError(errno.EIO, "Input/output error (injected into a part)")
+
+        monkeypatch.setattr(Copier, "copy", failing)
+        _bump(state)
+        with pytest.raises(FlashCkptError, match="injected into a part"):
+            ck.save(4, state).durable.result()
+        monkeypatch.setattr(Copier, "copy", real)
+        assert ck.steps()[-1] == 3  # step 4 committed nowhere, the older ones kept
+        _bump(state)
+        ck.save(5, state).durable.result()
+        assert ck.steps()[-1] == 5
+    assert list((mem / STAGING_DIR).glob("*.tmp-*")) == []
+    fresh = _state(n=4, numel=512 * 1024)
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
+        assert ck.restore(fresh) == 5
+    for a, b in zip(state["model"], fresh["model"], strict=True):
+        assert torch.equal(a, b)

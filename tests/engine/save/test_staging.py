@@ -486,3 +486,24 @@ def test_a_save_never_waits_for_a_starved_warmup(monkeypatch, madvise):
     assert not warm.is_alive()
     assert len(touched) == seen, "the warm-up touched a piece after the save had reserved"
     assert bool((pool.view(start, 8 * MiB) == 5).all()), "the warm-up wrote into staged bytes"
+
+
+def test_a_pool_that_leaves_faults_to_the_copies_reserves_without_touching() -> None:
+    """``fault_in=False`` (the save's copies split across threads while waited for, so they
+    take the faults on every core: engine/save/copier.py): reserve() maps the arena and faults
+    nothing in; the copies into it are whole."""
+    pool = StagingPool(budget_bytes=16 * MiB, chunk_bytes=MiB, fault_in=False)
+    pool.reserve(needed_bytes=6 * MiB, pin=False)
+    assert pool.capacity_bytes == 6 * MiB and pool.touched_bytes == 0
+    start = pool.view(0, 1).data_ptr()
+    with open("/proc/self/pagemap", "rb") as f:  # no page of it present yet (pagemap bit 63)
+        f.seek(start // 4096 * 8)
+        entries = f.read(6 * MiB // 4096 * 8)
+    assert not any(
+        int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8)
+    )
+    pool.view(0, 6 * MiB).fill_(5)
+    assert int(pool.view(6 * MiB - 1, 1)) == 5
+    faulting = StagingPool(budget_bytes=16 * MiB, chunk_bytes=MiB)  # the default: faulted in
+    faulting.reserve(needed_bytes=6 * MiB, pin=False)
+    assert faulting.touched_bytes == 6 * MiB

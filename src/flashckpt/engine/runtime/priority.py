@@ -124,6 +124,12 @@ class ThreadPriority:
             elif not thread.is_alive():
                 self._forget(tid)
 
+    def waited(self) -> bool:
+        """Whether the save's threads run at the foreground level now: something waits for
+        them, or the governor runs the save in the foreground (engine/save/copier.py then
+        copies on every core)."""
+        return self._effective() == "foreground"
+
     @contextmanager
     def waited_on(self) -> Iterator[None]:
         """The loop waits for the save's threads: at the foreground level meanwhile, then at

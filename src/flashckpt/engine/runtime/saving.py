@@ -32,6 +32,7 @@ from flashckpt.engine.save.context import (
     build_context,
     wait_for_host_copies,
 )
+from flashckpt.engine.save.copier import Copier, copy_helpers
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.handle import SaveHandle, SaveStats, as_save_error, failure, settle
 from flashckpt.engine.save.hooks import (
@@ -84,13 +85,24 @@ class SavePath:
         self.dist = dist
         self.rank, self.world_size = rank, world_size
         o = options
-        self.pool = StagingPool(
-            budget_bytes=o.host_memory_budget_bytes, chunk_bytes=o.chunk_bytes, backing=arena
-        )
         # async saves run beside training: their threads run at the background CPU level
         # while the governor keeps them in the background (engine/runtime/priority.py)
         self.priority = ThreadPriority()
         start = self.priority.register if o.async_save else None
+        # a staging copy the loop waits for runs on every core (engine/save/copier.py)
+        self.copier = Copier(
+            helpers=copy_helpers() if o.async_save else 0,
+            waited=self.priority.waited,
+            thread_start=start,
+        )
+        # an arena no warm-up faulted in: where copies can split, they take the faults (on
+        # every core while waited for: 512 MiB in 0.14 s against 0.19 s faulted in first)
+        self.pool = StagingPool(
+            budget_bytes=o.host_memory_budget_bytes,
+            chunk_bytes=o.chunk_bytes,
+            backing=arena,
+            fault_in=self.copier.helpers == 0,
+        )
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage", initializer=start)
         self.after = AfterSave(tiers, self.stager)  # promotion + retention
         self.threads = persist_threads(
@@ -141,6 +153,7 @@ class SavePath:
         self.gate.remove()
         self.stager.shutdown(wait=True)
         self.workers.shutdown(wait=True)
+        self.copier.shutdown()
         self.pool.close()
         self.drafts.last = None  # (its entries: objects every collection walks)
 
@@ -220,6 +233,7 @@ class SavePath:
             direct=tier.name == "memory",  # the staged copy is the memory tier's copy
             hints=self.hints,
             drafts=self.drafts,
+            copier=self.copier,
             streams=self.streams,
             lineage=self.lineage() if self.lineage is not None else None,
         )

@@ -18,6 +18,7 @@ from typing import Any
 from flashckpt.engine import device as devices
 from flashckpt.engine.device import DeviceOps
 from flashckpt.engine.options import Options
+from flashckpt.engine.save.copier import Copier
 from flashckpt.engine.save.fingerprint import Fingerprinter
 from flashckpt.engine.save.layout import ChunkPlan, plan_chunks
 from flashckpt.engine.save.staging import StagingPool
@@ -54,6 +55,8 @@ class SaveContext:
     lineage: Lineage | None = None  # the writer's (store/format/lineage.py)
     # the last save's manifest draft and what it was made from (engine/save/manifests.py)
     drafts: DraftMemo = field(default_factory=lambda: DraftMemo())
+    # splits a staging copy across threads while the loop waits for it (engine/save/copier.py)
+    copier: Copier | None = None
 
 
 class DraftMemo:
@@ -117,6 +120,7 @@ def build_context(
     streams: SideStreams | None = None,
     lineage: Lineage | None = None,
     drafts: DraftMemo | None = None,
+    copier: Copier | None = None,
 ) -> tuple[list[ChunkPlan], SaveContext]:
     """Lay the captured state out in chunks and gather what its save job borrows. Staging goes
     through the pool when the save is asynchronous or the bytes live on a device; a
@@ -162,5 +166,6 @@ def build_context(
         hints=hints if hints is not None else {},
         lineage=lineage,
         drafts=drafts if drafts is not None else DraftMemo(),
+        copier=copier,
     )
     return chunks, ctx

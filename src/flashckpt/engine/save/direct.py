@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from flashckpt.engine.save.context import SaveContext
+from flashckpt.engine.save.copier import copy_into
 from flashckpt.engine.save.layout import ChunkPlan
 from flashckpt.errors import SaveError
 from flashckpt.state.capture import Captured
@@ -61,14 +62,14 @@ class DirectStager:
         self._reuse, self._landed = reuse, landed
         self._deferred: list[Copied] = []
         self._lock = threading.Lock()
+        self._copy = ctx.copier.copy if ctx.copier is not None else copy_into
 
     def stage(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray], key: Any) -> None:
         """Stage chunk ``ci`` (its live bytes ``views``; ``key``: its :func:`region`)."""
         staged = self.store.stage_chunk(chunk.size) if self.hints.get(key) else None
         try:
-            if staged is not None and staged.recycled:
-                for v in views:
-                    staged.write(v)
+            if staged is not None and staged.recycled:  # on every core while waited for
+                staged.fill(views, self._copy)
                 with self._lock:
                     self._deferred.append(Copied(ci, chunk, staged, key))
                 return

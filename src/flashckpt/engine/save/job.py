@@ -25,6 +25,7 @@ import torch
 
 from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.save.context import SaveContext
+from flashckpt.engine.save.copier import copy_into
 from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
@@ -176,14 +177,15 @@ class SaveJob:
         slot = self._acquire(chunk.size)
         try:
             buf = pool.view(slot, chunk.size).numpy()
-            # numpy's single-threaded memcpy, not Tensor.copy_: from this background thread
-            # torch would start its own intra-op thread team and fight the training thread's
-            # for the cores (measured 3-40x slower and erratic on a busy host); all the pieces
-            # in one call (a pack of small tensors: one call per piece cost 1 us each)
-            if len(views) == 1:
-                np.copyto(buf, views[0])
+            # numpy's memcpy, not Tensor.copy_: from this background thread torch would start
+            # its own intra-op thread team and fight the training thread's for the cores
+            # (measured 3-40x slower and erratic on a busy host); all the pieces in one call (a
+            # pack of small tensors: one call per piece cost 1 us each); on every core while
+            # the loop waits for it (engine/save/copier.py)
+            if self.ctx.copier is not None:
+                self.ctx.copier.copy(buf, views)
             else:
-                np.concatenate(views, out=buf)
+                copy_into(buf, views)
         except BaseException:
             pool.release(slot)
             raise

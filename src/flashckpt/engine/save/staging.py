@@ -57,8 +57,16 @@ PIN_PIECE = (
 
 class StagingPool:
     def __init__(
-        self, *, budget_bytes: int, chunk_bytes: int, backing: ArenaFile | None = None
+        self,
+        *,
+        budget_bytes: int,
+        chunk_bytes: int,
+        backing: ArenaFile | None = None,
+        fault_in: bool = True,
     ) -> None:
+        """``fault_in``: :meth:`reserve` faults what no warm-up did in before the save copies
+        (False: the copies take the faults, split across threads when the loop waits for them:
+        engine/save/copier.py)."""
         self.chunk_bytes = aligned(chunk_bytes)
         self.budget_bytes = max(budget_bytes, self.chunk_bytes)
         self._arena: torch.Tensor | None = None
@@ -74,6 +82,7 @@ class StagingPool:
         self._closed = False
         self._map: mmap.mmap | None = None  # an anonymous arena's mapping (madvise in warm())
         self._claimed = False  # a save has reserved: the warm-up touches no further piece
+        self._fault_in = fault_in
 
     @property
     def capacity_bytes(self) -> int:
@@ -92,7 +101,9 @@ class StagingPool:
             if self._taken:
                 raise RuntimeError("staging pool resized while chunks are staged")
             self._claimed = True  # a warm-up still touching stops before its next piece
-            self._reserve_locked(needed_bytes, pin, device, populate=True)
+            self._reserve_locked(needed_bytes, pin, device, populate=self._fault_in)
+            if not self._fault_in:
+                return
             if self._arena is not None and not self._pinned and self._touched < self.capacity_bytes:
                 # what the warm-up did not reach: faulted in here, by the save's own thread,
                 # never waited for on a warm-up that runs at the background CPU level

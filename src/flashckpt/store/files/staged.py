@@ -16,6 +16,7 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -192,6 +193,28 @@ class StagedFile:
             where = self.backend._abs(f"{self.head}/{self.name}")
             raise storage_error("write", where, exc) from exc
 
+    def fill(self, views: list[Any], copy: Callable[[Any, list[Any]], object]) -> None:
+        """Write ``views`` (flat ``uint8`` arrays) one after another: into a recycled file's
+        mapping with one ``copy(destination, views)`` (the caller's, which may split it across
+        its threads), else with :meth:`write`, one view at a time."""
+        if self._dst is None:
+            for v in views:
+                self.write(v)
+            return
+        end = self.written + sum(v.size for v in views)
+        try:
+            if end > len(self._dst):
+                raise OSError(errno.EFBIG, "more bytes than the recycled file holds")
+            copy(self._dst[self.written : end], views)
+        except OSError as exc:
+            self.abort()
+            where = self.backend._abs(f"{self.head}/{self.name}")
+            raise storage_error("write", where, exc) from exc
+        except BaseException:
+            self.abort()
+            raise
+        self.written = end
+
     def publish(self, path: str) -> int:
         """Make the file ``path`` (fsynced first when the backend fsyncs; its directory is
         made durable by the caller's ``sync_dirs``); returns its size. A file already at
@@ -229,7 +252,10 @@ class StagedFile:
     def _unmap(self) -> None:
         if self._map is not None:
             self._dst = None
-            self._map.close()
+            # a view of the mapping still alive (the traceback of a failed copy holds one)
+            # keeps it mapped until that view dies: an abort never masks the error it handles
+            with suppress(BufferError):
+                self._map.close()
             self._map = None
             with suppress(OSError):
                 fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)

@@ -71,8 +71,10 @@ def test_loop_cost_measures_each_method_against_no_save_runs_and_the_memcpy_floo
         assert isinstance(r["wait_s"], float)  # the training thread's run-queue wait (Linux)
         assert len(r["rounds_cost_s"]) == 2 and r["failed_rounds"] == 0
         assert min(r["rounds_cost_s"]) <= r["cost_s"] <= max(r["rounds_cost_s"])
-    assert res["memcpy_s"] > 0
+    assert res["memcpy_s"] > 0 and res["memcpy_per_tensor_s"] > 0  # the two floors
     table = bench_cost.table(res)
+    floor = f"{res['memcpy_s'] * 1e3:.0f} / {res['memcpy_per_tensor_s'] * 1e3:.0f} ms |"
+    assert table.count(floor) == len(res["profiles"])
     assert "| dispatch |" in table and "flashckpt_memory" in table and "memcpy" in table
     assert table.count("..") >= 2  # each method's spread over its rounds
     assert table.count("; waits ") == 2  # what each method's threads took from the loop
@@ -90,3 +92,21 @@ def test_contended_loop_runs_the_threads_the_busy_processes_leave(monkeypatch):
     assert bench_cost._threads("contended", 2) == 6
     assert bench_cost._threads("contended", 8) == 1
     assert bench_cost._threads("contended", 12) == 1
+
+
+def test_the_memcpy_floor_copies_every_byte_whole_or_in_pieces(monkeypatch):
+    """The per-tensor floor copies the same bytes in ``pieces`` copies, no byte missed."""
+    import numpy as np
+
+    from flashckpt.cli.bench import cost as bench_cost
+
+    copied: list[int] = []
+    real = np.copyto
+
+    def copyto(dst, src):
+        copied.append(dst.size)
+        real(dst, src)
+
+    monkeypatch.setattr(np, "copyto", copyto)
+    bench_cost.memcpy_s(1000, repeat=1, pieces=7)
+    assert len(copied) == 1 + 7 and sum(copied[1:]) == 1000  # (the first: the warm-up copy)

@@ -91,7 +91,7 @@ def test_a_checkpointer_journals_governor_decisions_and_status_shows_them(tmp_pa
     from flashckpt.report.terminal import format_status
 
     with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
-        _loop(ck, steps=40, every=5)
+        _loop(ck, steps=70, every=5)  # (a clear background: the probe by save 10)
     events = [json.loads(x) for x in (tmp_path / "root" / "journal.jsonl").read_text().splitlines()]
     decisions = [e for e in events if e["event"] == "governor"]
     assert decisions, "no governor decision journaled"
@@ -143,7 +143,7 @@ def test_a_journaled_foreground_cost_replaces_the_probe_after_a_restart() -> Non
 
 def test_a_restarted_checkpointer_starts_from_the_journaled_budget(tmp_path) -> None:
     with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
-        _loop(ck, steps=40, every=5)
+        _loop(ck, steps=70, every=5)  # (a clear background: the probe by save 10)
         fg = ck._saver.governor.last.get("foreground_cost_s")
     assert fg is not None
     with flashckpt.Checkpointer(tmp_path / "root", async_save=True) as ck:
@@ -218,3 +218,32 @@ def test_a_close_answer_or_a_dear_background_brings_the_probes_back() -> None:
     save(step + 40, 0.9, 0.15)  # the background goes over the budget at once
     save(step + 41, 0.9, 0.15)
     assert gov.saturated and gov._interval == 4
+
+
+def _run_timed(gov: Governor, saves: list[tuple[float, float, float]]) -> list[str]:
+    """Like ``_run``, each save with its time to durable: (background cost, time to durable,
+    foreground cost); the cost charged is the one of the mode it ran in."""
+    gov.tick()
+    ran = []
+    for step, (bg, took, fg) in enumerate(saves, 1):
+        mode = gov.started(step)
+        ran.append(mode)
+        gov.durable(blocking_s=0.0, background_s=took, until=None)
+        with gov._lock:
+            gov._settled(fg if mode == FOREGROUND else bg)
+    return ran
+
+
+def test_the_first_probe_waits_for_the_schedule_while_the_background_clearly_overlaps() -> None:
+    """A foreground probe is a synchronous save. While a background save costs the loop at
+    most half its own time to durable (0.04 s of 0.16 s: the dispatch loop), the first probe
+    waits for the regular schedule: a 5-save run pays none."""
+    gov = Governor(probe_every=8)
+    ran = _run_timed(gov, [(0.04, 0.16, 0.15)] * 12)
+    assert ran[:8] == [BACKGROUND] * 8 and FOREGROUND in ran[8:10], ran
+    assert gov.last["foreground_cost_s"] == 0.15  # measured on schedule
+    # the background costs more than half its time to durable: probed at once, as before
+    close = Governor(probe_every=8)
+    assert _run_timed(close, [(0.1, 0.15, 0.075)] * 3) == [BACKGROUND, FOREGROUND, FOREGROUND]
+    # a background over the budget found by that probe: foreground from then on
+    assert close.saturated

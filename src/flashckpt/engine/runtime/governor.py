@@ -20,10 +20,14 @@ cost the loop and runs the next one the cheaper way:
   cost of a foreground save of the same state (what a synchronous save costs here and now).
   The second save of a run is a foreground probe, unless an earlier run on the same root
   journaled that cost (:meth:`Governor.observe_history`): a restarted process then starts from
-  it instead of paying a synchronous save, its cold one, after every restart. From then on
-  each save runs in the mode whose recent saves cost less, background while it stays within
-  the budget, and every ``probe_every`` saves the other mode is measured again, because what
-  the background costs changes with what else runs on the host.
+  it instead of paying a synchronous save, its cold one, after every restart. A probe waits for
+  the regular schedule (``probe_every`` saves) while the background costs the loop at most half
+  its own time to durable: a foreground save, which costs the loop its time to durable, is
+  then cheaper only if stopping the loop makes the save more than twice as fast, and the
+  regular probe checks that. A short run whose saves clearly overlap pays no synchronous save.
+  From then on each save runs in the mode whose recent saves cost less, background while it
+  stays within the budget, and every ``probe_every`` saves the other mode is measured again,
+  because what the background costs changes with what else runs on the host.
 * **Probes grow rarer while the answer is clear.** A foreground probe is a synchronous save: on
   the 2-core VM's dispatch loop, 0.15 s against 0.04 s for a background save of the same 256
   MiB, so one probe every 8 saves added a third to the steady cost of a save. Each foreground
@@ -85,6 +89,9 @@ class Governor:
     saturated: bool = False  # background work measured costlier than its budget: idle work waits
     host: IdleCpu = field(default_factory=IdleCpu)  # whether the host has a core to spare
     inherited_s: float | None = None  # the foreground cost taken from an earlier run's journal
+    # time to durable of the recent background saves (the first probe waits while it is clear)
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=_KEEP))
+    _durable_s: float | None = None  # the save in flight's, once durable
 
     def __post_init__(self) -> None:
         self.meter.on_cost = self._settled
@@ -109,6 +116,7 @@ class Governor:
     def durable(self, *, blocking_s: float, background_s: float, until: threading.Event | None):
         """The save being measured is durable (``until``: set when its promotion ended)."""
         with self._lock:
+            self._durable_s = background_s
             self.meter.durable(blocking_s=blocking_s, background_s=background_s, until=until)
 
     def observe_history(self, events: Sequence[Mapping[str, Any]]) -> None:
@@ -145,6 +153,9 @@ class Governor:
                          "no step was timed before this save"}  # fmt: skip
             return
         self.costs[mode].append(cost_s)
+        if mode == BACKGROUND and self._durable_s is not None:
+            self.durations.append(self._durable_s)
+        self._durable_s = None
         self.mode, why = self._next(mode)
         bg, fg = _mean(self.costs[BACKGROUND]), _mean(self.costs[FOREGROUND])
         budget = self.budget_s if self.budget_s is not None else fg
@@ -167,6 +178,13 @@ class Governor:
         budget = self.budget_s if self.budget_s is not None else fg
         self._since_probe += 1
         if fg is None and self.budget_s is None:
+            took = _mean(self.durations)
+            clear = bg is not None and took is not None and bg <= CLEAR * took
+            if clear and self._since_probe < self._interval:
+                return BACKGROUND, (
+                    f"background cost {bg:.3f}s <= half its time to durable {took:.3f}s: the "
+                    f"foreground is measured after {self._interval} saves"
+                )
             return FOREGROUND, "measure what a foreground save costs (the budget)"
         if bg is None:
             return BACKGROUND, "measure what a background save costs"

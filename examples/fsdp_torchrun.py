@@ -4,8 +4,9 @@
 
 Run it again with more ``--steps`` and it resumes from the newest checkpoint, on any number of
 processes (a checkpoint saved by 2 ranks loads on 1, 3 or 4: each rank reads only the bytes
-of its own shards). ``--crash-at N`` kills every rank at step N on the first attempt, so with
-``torchrun --max-restarts 1`` you see a crash and an automatic resume in one command.
+of its own shards). ``--crash-at N`` kills every rank at step N on the first attempt, once the
+last save is durable, so with ``torchrun --max-restarts 1`` you see a crash and an automatic
+resume from that save in one command.
 
 Multi-node: ``torchrun --nnodes 2 --node-rank <i> --rdzv-endpoint host:29500 ...`` with
 ``--root`` on a filesystem every node sees (docs/guides/distributed.md).
@@ -87,6 +88,10 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         t0 = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
             if args.crash_at == step and attempt == 0:
+                # the demo's crash comes once the last save is durable, so what it loses is
+                # always the steps since then (an async save still in flight when a process
+                # dies is lost, and the resume starts from the save before)
+                ckpt.wait()
                 print(f"rank {rank}: crashing at step {step}", flush=True)
                 os._exit(1)
             xy = batch(tokens, step, rank, args.batch, cfg.block_size)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from test_priority import _thread
 
 import flashckpt
 from flashckpt.engine.runtime.priority import ThreadPriority
@@ -119,34 +120,18 @@ def test_every_wait_for_staging_runs_the_stager_at_full_speed(
         handle.wait()
 
 
-def _registered(p: ThreadPriority):
-    ready, done = threading.Event(), threading.Event()
-    box: dict = {}
-
-    def run() -> None:
-        p.register()
-        box["tid"] = threading.get_native_id()
-        ready.set()
-        done.wait(30)
-
-    t = threading.Thread(target=run)
-    t.start()
-    ready.wait(10)
-    return box["tid"], done, t
-
-
 def test_overlapping_waits_keep_the_threads_raised_until_the_last_one_ends() -> None:
     """Two waits at once (the loop and a thread of the caller's): the first to end must not
     lower the threads the other still waits for; a level the governor sets meanwhile takes
     effect once no one waits; a thread that starts during a wait starts raised."""
     p = ThreadPriority(use_nice=False)
-    tid, done, t = _registered(p)
+    tid, done, t = _thread(p)
     try:
         assert os.sched_getscheduler(tid) == os.SCHED_BATCH
         first, second = p.waited_on(), p.waited_on()
         first.__enter__()
         second.__enter__()
-        late, late_done, late_t = _registered(p)
+        late, late_done, late_t = _thread(p)
         assert os.sched_getscheduler(late) == os.SCHED_OTHER  # started during the waits
         first.__exit__(None, None, None)
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER  # the second wait still runs

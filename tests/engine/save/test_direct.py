@@ -257,6 +257,15 @@ def test_a_chunk_copied_first_that_did_not_change_is_dropped_not_stored_twice(tm
         assert torch.equal(a, b)
 
 
+def _restores_to(tmp_path: Path, mem: Path, state: dict, step: int, numel: int) -> None:
+    """A fresh Checkpointer on the root restores ``step``, equal to ``state`` bit for bit."""
+    fresh = _state(n=len(state["model"]), numel=numel)
+    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
+        assert ck.restore(fresh) == step
+    for a, b in zip(state["model"], fresh["model"], strict=True):
+        assert torch.equal(a, b)
+
+
 def _recycling(tmp_path: Path, mem: Path, monkeypatch, helpers: int = 2):
     """A memory-tier Checkpointer whose saves recycle the files retention frees, with
     ``helpers`` copy threads."""
@@ -292,11 +301,7 @@ def test_a_recycled_file_is_filled_on_every_core_while_the_save_is_waited_for(
             assert ck.wait_promoted(30)
             ck._saver.after.wait()  # retention frees the older step's files for the next
     assert parts and max(parts) == 3, parts  # recycled files, filled by three threads
-    fresh = _state(n=4, numel=512 * 1024)
-    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
-        assert ck.restore(fresh) == 4
-    for a, b in zip(state["model"], fresh["model"], strict=True):
-        assert torch.equal(a, b)
+    _restores_to(tmp_path, mem, state, 4, numel=512 * 1024)
 
 
 def test_a_failed_fill_of_a_recycled_file_commits_nothing_and_keeps_older_steps(
@@ -326,8 +331,4 @@ def test_a_failed_fill_of_a_recycled_file_commits_nothing_and_keeps_older_steps(
         ck.save(5, state).durable.result()
         assert ck.steps()[-1] == 5
     assert list((mem / STAGING_DIR).glob("*.tmp-*")) == []
-    fresh = _state(n=4, numel=512 * 1024)
-    with flashckpt.Checkpointer(tmp_path / "root", memory_tier=mem) as ck:
-        assert ck.restore(fresh) == 5
-    for a, b in zip(state["model"], fresh["model"], strict=True):
-        assert torch.equal(a, b)
+    _restores_to(tmp_path, mem, state, 5, numel=512 * 1024)

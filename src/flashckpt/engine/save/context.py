@@ -56,7 +56,7 @@ class SaveContext:
     # the last save's manifest draft and what it was made from (engine/save/manifests.py)
     drafts: DraftMemo = field(default_factory=lambda: DraftMemo())
     # splits a staging copy across threads while the loop waits for it (engine/save/copier.py)
-    copier: Copier | None = None
+    copier: Copier = field(default_factory=Copier)
 
 
 class DraftMemo:
@@ -166,6 +166,6 @@ def build_context(
         hints=hints if hints is not None else {},
         lineage=lineage,
         drafts=drafts if drafts is not None else DraftMemo(),
-        copier=copier,
+        copier=copier if copier is not None else Copier(),
     )
     return chunks, ctx

@@ -43,12 +43,12 @@ class Copier:
     def __init__(
         self,
         *,
-        helpers: int,
-        waited: Callable[[], bool],
+        helpers: int = 0,
+        waited: Callable[[], bool] = lambda: False,
         thread_start: Callable[[], None] | None = None,
     ) -> None:
-        """``helpers``: threads besides the stager (0: every copy is the caller's);
-        ``waited``: whether something waits for the save now."""
+        """``helpers``: threads besides the stager (0, the default: every copy is the
+        caller's, in one numpy call); ``waited``: whether something waits for the save now."""
         self.helpers = max(0, helpers)
         self._waited = waited
         self._pool = (

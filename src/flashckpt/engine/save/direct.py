@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from flashckpt.engine.save.context import SaveContext
-from flashckpt.engine.save.copier import copy_into
 from flashckpt.engine.save.layout import ChunkPlan
 from flashckpt.errors import SaveError
 from flashckpt.state.capture import Captured
@@ -62,7 +61,7 @@ class DirectStager:
         self._reuse, self._landed = reuse, landed
         self._deferred: list[Copied] = []
         self._lock = threading.Lock()
-        self._copy = ctx.copier.copy if ctx.copier is not None else copy_into
+        self._copy = ctx.copier.copy
 
     def stage(self, ci: int, chunk: ChunkPlan, views: list[np.ndarray], key: Any) -> None:
         """Stage chunk ``ci`` (its live bytes ``views``; ``key``: its :func:`region`)."""

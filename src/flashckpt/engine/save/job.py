@@ -25,7 +25,6 @@ import torch
 
 from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.save.context import SaveContext
-from flashckpt.engine.save.copier import copy_into
 from flashckpt.engine.save.devstage import DeviceStager
 from flashckpt.engine.save.direct import Copied, DirectStager, region
 from flashckpt.engine.save.handle import SaveHandle, as_save_error
@@ -182,10 +181,7 @@ class SaveJob:
             # (measured 3-40x slower and erratic on a busy host); all the pieces in one call (a
             # pack of small tensors: one call per piece cost 1 us each); on every core while
             # the loop waits for it (engine/save/copier.py)
-            if self.ctx.copier is not None:
-                self.ctx.copier.copy(buf, views)
-            else:
-                copy_into(buf, views)
+            self.ctx.copier.copy(buf, views)
         except BaseException:
             pool.release(slot)
             raise

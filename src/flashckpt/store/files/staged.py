@@ -173,25 +173,18 @@ class StagedFile:
 
     def write(self, buf: Buffer) -> None:
         mv = memoryview(buf).cast("B")
-        try:
-            if self._dst is not None:
-                import numpy as np
+        if self._dst is not None:  # numpy's copy releases the GIL (the training thread runs on)
+            import numpy as np
 
-                end = self.written + len(mv)
-                if end > len(self._dst):
-                    raise OSError(errno.EFBIG, "more bytes than the recycled file holds")
-                # numpy's copy releases the GIL (the training thread keeps running)
-                np.copyto(self._dst[self.written : end], np.frombuffer(mv, dtype=np.uint8))
-                self.written = end
-                return
+            self.fill([np.frombuffer(mv, dtype=np.uint8)], _copy_one)
+            return
+        try:
             while len(mv):
                 n = os.write(self._fd, mv)
                 self.written += n
                 mv = mv[n:]
         except OSError as exc:
-            self.abort()
-            where = self.backend._abs(f"{self.head}/{self.name}")
-            raise storage_error("write", where, exc) from exc
+            raise self._failed(exc) from exc
 
     def fill(self, views: list[Any], copy: Callable[[Any, list[Any]], object]) -> None:
         """Write ``views`` (flat ``uint8`` arrays) one after another: into a recycled file's
@@ -207,13 +200,13 @@ class StagedFile:
                 raise OSError(errno.EFBIG, "more bytes than the recycled file holds")
             copy(self._dst[self.written : end], views)
         except OSError as exc:
-            self.abort()
-            where = self.backend._abs(f"{self.head}/{self.name}")
-            raise storage_error("write", where, exc) from exc
-        except BaseException:
-            self.abort()
-            raise
+            raise self._failed(exc) from exc
         self.written = end
+
+    def _failed(self, exc: OSError) -> StorageError:
+        """Drop the file after a failed write; the error that names it."""
+        self.abort()
+        return storage_error("write", self.backend._abs(f"{self.head}/{self.name}"), exc)
 
     def publish(self, path: str) -> int:
         """Make the file ``path`` (fsynced first when the backend fsyncs; its directory is
@@ -292,3 +285,9 @@ def _reusable(st: os.stat_result, size: int) -> bool:
         and st.st_nlink == 1
         and st.st_uid == os.getuid()
     )
+
+
+def _copy_one(dst: Any, views: list[Any]) -> None:
+    import numpy as np
+
+    np.copyto(dst, views[0])

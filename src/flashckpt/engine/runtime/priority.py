@@ -89,7 +89,7 @@ class ThreadPriority:
         with self._lock:
             self._tids[tid] = threading.current_thread()
             self._always.discard(tid)  # (an id an ended background-only thread had)
-            self._apply(tid, self._effective())
+            self._apply(tid, self._levels()[False])
 
     def register_background(self) -> None:
         """Called as it starts by a thread whose work no save ever waits for (promotion to the
@@ -100,70 +100,69 @@ class ThreadPriority:
         with self._lock:
             self._tids[tid] = threading.current_thread()
             self._always.add(tid)
-            self._apply(tid, "foreground" if self._raised else "background")
+            self._apply(tid, self._levels()[True])
 
     def set(self, level: str) -> None:
         """The level the governor gives the save's threads (``background`` or
         ``foreground``); they move there now, or when the last wait on them ends."""
-        with self._lock:
-            before = self._effective()
+        with self._changing():
             self.level = level
-            self._move(before)
-
-    def _effective(self) -> str:
-        return "foreground" if self._waits else self.level
-
-    def _move(self, before: str) -> None:
-        """Under the lock: every registered save thread to the effective level, if it moved."""
-        now = self._effective()
-        if now == before:
-            return
-        for tid, thread in list(self._tids.items()):
-            if tid not in self._always:
-                self._apply(tid, now)
-            elif not thread.is_alive():
-                self._forget(tid)
 
     def waited(self) -> bool:
         """Whether the save's threads run at the foreground level now: something waits for
         them, or the governor runs the save in the foreground (engine/save/copier.py then
         copies on every core)."""
-        return self._effective() == "foreground"
+        return self._levels()[False] == "foreground"
 
     @contextmanager
     def waited_on(self) -> Iterator[None]:
         """The loop waits for the save's threads: at the foreground level meanwhile, then at
         the governor's level again once no one waits (see the module)."""
-        with self._lock:
-            before = self._effective()
+        with self._changing():
             self._waits += 1
-            self._move(before)
         try:
             yield
         finally:
-            with self._lock:
-                before = self._effective()
+            with self._changing():
                 self._waits -= 1
-                self._move(before)
 
     @contextmanager
     def background_waited_on(self) -> Iterator[None]:
         """Something waits for the background-only threads (a save waiting for room in the
         promotion queue, ``close`` or ``wait_promoted`` draining it): they run at the
         foreground level meanwhile. Waits may overlap; the last one to end moves them back."""
-        with self._lock:
+        with self._changing():
             self._raised += 1
-            if self._raised == 1:
-                for tid in list(self._always):
-                    self._apply(tid, "foreground")
         try:
             yield
         finally:
-            with self._lock:
+            with self._changing():
                 self._raised -= 1
-                if self._raised == 0:
-                    for tid in list(self._always):
-                        self._apply(tid, "background")
+
+    def _levels(self) -> tuple[str, str]:
+        """The level of the save's threads and of the background-only ones (index: whether
+        a thread is background-only): the foreground while someone waits for them."""
+        return (
+            "foreground" if self._waits else self.level,
+            "foreground" if self._raised else "background",
+        )
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Change the governor's level or a count of waits under the lock, then move the
+        threads of each group whose level that changed (and forget the others that ended)."""
+        with self._lock:
+            before = self._levels()
+            yield
+            after = self._levels()
+            if after == before:
+                return
+            for tid, thread in list(self._tids.items()):
+                group = tid in self._always
+                if before[group] != after[group]:
+                    self._apply(tid, after[group])  # (forgets a thread that ended)
+                elif not thread.is_alive():
+                    self._forget(tid)
 
     @property
     def threads(self) -> list[int]:

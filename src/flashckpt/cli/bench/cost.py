@@ -21,10 +21,8 @@ warm ones (``first_s``, ``warm_s``).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -32,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flashckpt.demo.chaos_rounds import busy_load
 from flashckpt.engine.runtime.hostcpu import run_queue_wait_s
 
 PROFILES = ("dispatch", "compute", "contended")
@@ -191,33 +189,6 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"wall_s": wall, "steps_s": times, "waits_s": waits}
 
 
-def _busy(stop: Any) -> None:  # a busy process: pure Python on one core until told to stop
-    x = 0
-    while not stop.is_set():
-        for _ in range(20000):
-            x += 1
-
-
-@contextlib.contextmanager
-def _load(n: int) -> Iterator[None]:
-    if n <= 0:
-        yield
-        return
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    procs = [ctx.Process(target=_busy, args=(stop,), daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-
-
 def _run_child(cfg: dict[str, Any]) -> dict[str, Any]:
     res = subprocess.run(
         [sys.executable, "-m", "flashckpt.cli.bench.cost", json.dumps(cfg)],
@@ -328,7 +299,7 @@ def run(
     try:
         for profile in profiles:
             res: dict[str, Any] = {"methods": {}, "baselines": []}
-            with _load(load if profile == "contended" else 0):
+            with busy_load(load if profile == "contended" else 0):
 
                 def one(method: str, i: int, profile: str = profile) -> dict[str, Any]:
                     root = base_dir / f"{profile}-{method}-{i}"

@@ -30,7 +30,7 @@ from flashckpt.engine.save.steps import holding
 from flashckpt.engine.save.warmup import Warmup
 from flashckpt.engine.tiers.arena import arena_for
 from flashckpt.engine.tiers.build import build_tiers, release_locks
-from flashckpt.engine.tiers.closing import empty_memory_tier
+from flashckpt.engine.tiers.closing import close_tiers
 from flashckpt.engine.tiers.promote import Promotion
 from flashckpt.engine.tiers.scrubbing import start_idle_scrub
 from flashckpt.engine.tiers.tierset import TierSet
@@ -290,19 +290,15 @@ class Checkpointer:
             self._wait_current()
         finally:
             self._stop_threads()
-            self._tiers.promote_deferred()
-            if self._dist is not None:
-                self._dist.stop()
             p = self._preempt
-            preempted = p is not None and p.signal_t is not None
-            timeout_s = p.time_left() if p and preempted else self._promotion.close_timeout_s
-            if self._empty_memory and not preempted and self._dist is None:
-                timeout_s = empty_memory_tier(self._tiers, self.journal, timeout_s)
-            elif self._dist is not None and not preempted:  # the owner of each tier empties it
-                timeout_s = self._dist.close_tiers(
-                    self._tiers, self.journal, empty=self._empty_memory, timeout_s=timeout_s
-                )
-            self._tiers.close(timeout_s)
+            close_tiers(  # engine/tiers/closing.py
+                self._tiers,
+                self.journal,
+                dist=self._dist,
+                empty=self._empty_memory,
+                timeout_s=self._promotion.close_timeout_s,
+                preempted_left_s=p.time_left if p is not None and p.signal_t is not None else None,
+            )
             if self._preempt is not None:
                 self._preempt.uninstall()
             self._marker.end(self.last_step)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.store.gc import collect_garbage
@@ -35,6 +35,42 @@ if TYPE_CHECKING:
     from flashckpt.journal import Journal
 
 log = logging.getLogger(__name__)
+
+
+class DistClosing(Protocol):
+    """What closing needs of the distributed runtime (distributed/runtime.py)."""
+
+    def stop(self) -> None: ...
+
+    def close_tiers(
+        self, tiers: TierSet, journal: Journal, *, empty: bool, timeout_s: float | None
+    ) -> float | None: ...
+
+
+def close_tiers(
+    tiers: TierSet,
+    journal: Journal,
+    *,
+    dist: DistClosing | None,
+    empty: bool,
+    timeout_s: float | None,
+    preempted_left_s: Callable[[], float] | None = None,
+) -> None:
+    """The tiers' part of ``Checkpointer.close()``, once the save threads stopped: queue the
+    deferred promotions, stop the distributed side, empty the memory tier where the run may
+    (``empty``; never after SIGTERM: ``preempted_left_s`` gives the grace period left, which
+    then bounds the rest instead of ``timeout_s``), and close the tiers within what is left."""
+    tiers.promote_deferred()
+    if dist is not None:
+        dist.stop()
+    left: float | None
+    if preempted_left_s is not None:
+        left = preempted_left_s()
+    elif dist is None:
+        left = empty_memory_tier(tiers, journal, timeout_s) if empty else timeout_s
+    else:  # the owner of each tier empties it (distributed/closing.py)
+        left = dist.close_tiers(tiers, journal, empty=empty, timeout_s=timeout_s)
+    tiers.close(left)
 
 
 def empty_memory_tier(tiers: TierSet, journal: Journal, timeout_s: float | None) -> float | None:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from flashckpt.distributed.runtime import DistRuntime
-from flashckpt.engine import device as devices
 from flashckpt.engine.gcpause import paused_gc
 from flashckpt.engine.options import Options, Replication, check_step
 from flashckpt.engine.restore.lineage import open_branch, owned_memory
@@ -27,7 +26,6 @@ from flashckpt.engine.runtime.preempt import EmergencySave, Preemption
 from flashckpt.engine.runtime.saving import SavePath
 from flashckpt.engine.save.handle import SaveHandle
 from flashckpt.engine.save.steps import holding
-from flashckpt.engine.save.warmup import Warmup
 from flashckpt.engine.tiers.arena import arena_for
 from flashckpt.engine.tiers.build import build_tiers, release_locks
 from flashckpt.engine.tiers.closing import close_tiers
@@ -235,22 +233,7 @@ class Checkpointer:
         )
         sv = self._saver
         self._pool, self._workers, self._after = sv.pool, sv.workers, sv.after
-        # work no save waits for runs at the background CPU level for good
-        self._tiers.promoter.on_thread_start(sv.priority.register_background)
-        self._tiers.promoter.on_wait(
-            sv.priority.background_waited_on
-        )  # and full speed while waited on
-        self._warmup = Warmup(
-            pool=sv.pool,
-            executors=[(sv.stager, 1), (sv.workers, sv.threads)],
-            stores=[t.store for t in self._tiers.tiers],
-            rank=self.rank,
-            async_save=self.options.async_save,
-            device=devices.current(),
-            direct=self.options.compression is None and self._tiers.fastest.name == "memory",
-            thread_start=sv.priority.register_background,
-        )
-        self._warmup.start()
+        self._warmup = sv.start_warmup()
         gov = sv.governor
         start_idle_scrub(  # one scrubber per tier (engine/tiers/scrubbing.py)
             self._tiers,

@@ -1,14 +1,16 @@
 """A Checkpointer's save path: from ``save(step, state)`` to the bookkeeping of a durable save.
 
-:class:`SavePath` owns what every save uses and nothing else does: the staging pool (its arena
-a file in the memory tier when that is on tmpfs: engine/tiers/arena.py), the staging thread and the
-persist workers, the device fingerprints of committed saves, the optimizer gate (async saves
-that overlap the next step), the steps a restore found damaged in every tier (which may be
-saved again), and ``last_step``. One save: wait for (or skip past) the one in flight, refuse a
-step already committed, capture the state, pick its tier, build the
-:class:`~flashckpt.engine.save.job.SaveJob` (or, distributed, the commit-protocol job of
-distributed/commit.py) and run it on the staging thread or here; when it is durable, journal it,
-hand it to promotion and retention (engine/tiers/aftersave.py) and charge its cost to the meter.
+:class:`SavePath` owns what every save uses and nothing else does: the staging pool (its arena a
+file in the memory tier when that is on tmpfs: engine/tiers/arena.py), the staging thread and
+the persist workers with their copy helpers and warm-up, the CPU level of every background
+thread (the promotion's too: engine/runtime/priority.py), the device fingerprints of committed
+saves, the optimizer gate (async saves that overlap the next step), the steps a restore found
+damaged in every tier (which may be saved again), and ``last_step``. One save: wait for (or skip
+past) the one in flight, refuse a step already committed, capture the state, pick its tier,
+build the :class:`~flashckpt.engine.save.job.SaveJob` (or, distributed, the commit-protocol job
+of distributed/commit.py) and run it on the staging thread or here; when it is durable, journal
+it, hand it to promotion and retention (engine/tiers/aftersave.py) and charge its cost to the
+meter.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from flashckpt.engine.save.hooks import (
 from flashckpt.engine.save.job import SaveJob
 from flashckpt.engine.save.staging import StagingPool
 from flashckpt.engine.save.steps import refuse_existing
-from flashckpt.engine.save.warmup import persist_threads
+from flashckpt.engine.save.warmup import Warmup, persist_threads
 from flashckpt.engine.tiers.aftersave import AfterSave
 from flashckpt.engine.tiers.arena import ArenaFile
 from flashckpt.engine.tiers.tierset import TierSet
@@ -104,6 +106,9 @@ class SavePath:
             fault_in=self.copier.helpers == 0,
         )
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-stage", initializer=start)
+        # work no save waits for runs at the background CPU level, at full speed while waited on
+        tiers.promoter.on_thread_start(self.priority.register_background)
+        tiers.promoter.on_wait(self.priority.background_waited_on)
         self.after = AfterSave(tiers, self.stager)  # promotion + retention
         self.threads = persist_threads(
             workers=o.workers, persist_workers=o.persist_workers, async_save=o.async_save
@@ -147,6 +152,22 @@ class SavePath:
         ``restore``), its threads at the foreground level meanwhile (the handle's futures hold
         the hook: engine/save/handle.py)."""
         self.inflight.wait_durable()
+
+    def start_warmup(self) -> Warmup:
+        """Ready this save path's threads, chunk directories and arena before the first save,
+        on a background-level thread (engine/save/warmup.py); never blocks."""
+        warmup = Warmup(
+            pool=self.pool,
+            executors=[(self.stager, 1), (self.workers, self.threads)],
+            stores=[t.store for t in self.tiers.tiers],
+            rank=self.rank,
+            async_save=self.options.async_save,
+            device=devices.current(),
+            direct=self.options.compression is None and self.tiers.fastest.name == "memory",
+            thread_start=self.priority.register_background,
+        )
+        warmup.start()
+        return warmup
 
     def stop(self) -> None:
         """Remove the optimizer gate, stop the threads (after their work), free the arena."""

@@ -89,5 +89,57 @@ def test_the_launcher_starts_a_standby_at_the_first_step_or_after_settle_max() -
     r2, w2 = os.pipe()
     os.set_blocking(r2, False)
     sup.active = _active(r2)
-    os.close(w2)  # it died, or closed the pipe, without a word: nothing to wait for
-    assert sup._settled()
+    os.close(w2)  # closed without a word: it died, or its script closed the descriptor
+    assert not sup._settled() and not sup._settled()
+    sup.active.active_t -= supervise.SETTLE_MAX_S + 1
+    assert sup._settled()  # a script that closed it: the settle time starts the standby
+
+
+class _Dying:
+    """A member's process the test killed: its pipe is at end of file before the launcher can
+    reap it (the kernel closes a dying process's files first), so ``poll`` still says running
+    for one look."""
+
+    pid = 0
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        return None if self.looks == 1 else -9
+
+
+def test_a_death_is_not_read_as_a_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A takeover killed before its first step: the launcher's first look sees the stepped pipe
+    at end of file while the process cannot be reaped yet. It must not start a standby then
+    (the failure, seen one look later, would promote that fresh standby instead of restarting
+    cold); found as a flaky test_takeover.py::test_two_quick_failures_in_a_row on a loaded CI VM."""
+    from flashckpt.distributed.standby.procs import Member, RankSet
+    from flashckpt.distributed.standby.supervise import Supervisor
+
+    started: list[bool] = []
+    pipes: list[int] = []
+
+    def start(self: Supervisor, *, standby: bool) -> RankSet:  # a set that has not stepped
+        started.append(standby)
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        pipes.extend((r, w))
+        member = Member(proc=_Dying(), rank=0, stepped_r=r)  # type: ignore[arg-type]
+        return RankSet(generation=len(started) + 1, standby=standby, port=None, members=[member])
+
+    monkeypatch.setattr(Supervisor, "_start", start)
+    sup = Supervisor(["true"], standby=1, say=lambda _: None)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.close(w)  # it died without a word
+    member = Member(proc=_Dying(), rank=0, stepped_r=r)  # type: ignore[arg-type]
+    sup.active = RankSet(generation=1, standby=False, port=None, members=[member])
+    assert sup._tick() is None  # alive at this look: nothing to do, and no standby
+    assert started == [] and sup.spare is None
+    monkeypatch.setattr(RankSet, "end", lambda self, timeout_s=10.0: None)
+    assert sup._tick() is None  # the failure: restarted cold
+    assert started == [False] and sup.counts["cold_restarts"] == 1
+    for fd in pipes:
+        os.close(fd)

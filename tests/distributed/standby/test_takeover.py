@@ -266,7 +266,7 @@ def test_a_failure_before_the_next_standby_is_ready_waits_for_it(tmp_path: Path)
     """The new active dies after its first step, while the next standby is started but not yet
     ready: that standby is told go at once and takes over when it reaches restore()."""
     (tmp_path / "slow_standby").touch()
-    launch = Launch(tmp_path, steps=40)
+    launch = Launch(tmp_path, steps=150)  # the kill must land before it ends, loaded
     launch.ready_standby()
     launch.kill_active_at(5)
     second = launch.until("the takeover", lambda: restored(launch)[1:] and restored(launch)[1])

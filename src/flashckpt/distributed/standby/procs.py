@@ -62,6 +62,7 @@ class Member:
     ready_r: int | None = None
     ready: bool = False
     stepped_r: int | None = None  # its first step is announced here (role.say_stepped)
+    stepped: bool = False
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -80,20 +81,23 @@ class Member:
         return self.ready
 
     def check_stepped(self) -> bool:
-        """Whether it reached its first training step, or closed the pipe without a word (it
-        died, or its script never steps through a Checkpointer): either way nothing is left to
-        wait for."""
+        """Whether it said ``stepped`` (its first training step). A pipe closed without the word
+        is not a step: the process died (the kernel closes its files a moment before the
+        launcher can see its exit code, so a death must not read as "stepped" and start a
+        standby that the failure then promotes), or its script closed the descriptor; the
+        launcher's settle time covers the second case."""
         if self.stepped_r is not None:
             try:
-                os.read(self.stepped_r, 64)  # ``stepped``, or end of file
+                got = os.read(self.stepped_r, 64)  # ``stepped``, or end of file
             except BlockingIOError:
                 return False
             except OSError:
-                pass
+                got = b""
+            self.stepped = got.startswith(roles.STEPPED)
             with contextlib.suppress(OSError):
                 os.close(self.stepped_r)
             self.stepped_r = None
-        return True
+        return self.stepped
 
     def _close_ready(self) -> None:
         if self.ready_r is not None:
@@ -146,7 +150,7 @@ class RankSet:
         return all(m.check_ready() for m in self.members)
 
     def stepped(self) -> bool:
-        """Every member reached its first step (or can no longer say so)."""
+        """Every member said it reached its first step."""
         return all([m.check_stepped() for m in self.members])
 
     def signal(self, sig: int) -> None:

@@ -62,11 +62,11 @@ def test_the_checkpointer_says_it_at_the_first_step(
     os.close(r)
 
 
-def _active(stepped_r: int):
+def _active(stepped_r: int, proc: object = None, *, generation: int = 1, standby: bool = False):
     from flashckpt.distributed.standby.procs import Member, RankSet
 
-    member = Member(proc=None, rank=0, stepped_r=stepped_r)  # type: ignore[arg-type]
-    return RankSet(generation=1, standby=False, port=None, members=[member])
+    member = Member(proc=proc, rank=0, stepped_r=stepped_r)  # type: ignore[arg-type]
+    return RankSet(generation=generation, standby=standby, port=None, members=[member])
 
 
 def test_the_launcher_starts_a_standby_at_the_first_step_or_after_settle_max() -> None:
@@ -115,7 +115,7 @@ def test_a_death_is_not_read_as_a_first_step(monkeypatch: pytest.MonkeyPatch) ->
     at end of file while the process cannot be reaped yet. It must not start a standby then
     (the failure, seen one look later, would promote that fresh standby instead of restarting
     cold); found as a flaky test_takeover.py::test_two_quick_failures_in_a_row on a loaded CI VM."""
-    from flashckpt.distributed.standby.procs import Member, RankSet
+    from flashckpt.distributed.standby.procs import RankSet
     from flashckpt.distributed.standby.supervise import Supervisor
 
     started: list[bool] = []
@@ -126,16 +126,14 @@ def test_a_death_is_not_read_as_a_first_step(monkeypatch: pytest.MonkeyPatch) ->
         r, w = os.pipe()
         os.set_blocking(r, False)
         pipes.extend((r, w))
-        member = Member(proc=_Dying(), rank=0, stepped_r=r)  # type: ignore[arg-type]
-        return RankSet(generation=len(started) + 1, standby=standby, port=None, members=[member])
+        return _active(r, _Dying(), generation=len(started) + 1, standby=standby)
 
     monkeypatch.setattr(Supervisor, "_start", start)
     sup = Supervisor(["true"], standby=1, say=lambda _: None)
     r, w = os.pipe()
     os.set_blocking(r, False)
     os.close(w)  # it died without a word
-    member = Member(proc=_Dying(), rank=0, stepped_r=r)  # type: ignore[arg-type]
-    sup.active = RankSet(generation=1, standby=False, port=None, members=[member])
+    sup.active = _active(r, _Dying())
     assert sup._tick() is None  # alive at this look: nothing to do, and no standby
     assert started == [] and sup.spare is None
     monkeypatch.setattr(RankSet, "end", lambda self, timeout_s=10.0: None)

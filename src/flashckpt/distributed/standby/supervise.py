@@ -23,11 +23,11 @@ A standby is started only once the active set reached its first training step (e
 so on a pipe, :func:`~.role.say_stepped`; or after :data:`SETTLE_MAX_S`, for a script that
 never steps through a Checkpointer or closes the pipe; a pipe closed by a death is not a
 step): the standby's imports and model building take CPU and memory bandwidth even at idle
-priority, and while the active set starts, restores or runs its
-first step that is the restart's time (on the 2-core CI VM a takeover's first step took 3x a
-normal step with the next standby starting beside it). So an active set that dies before its
-first step has no standby yet and is restarted cold; one that dies after it, before the next
-standby is ready, is taken over by that standby as soon as it reaches ``restore()``.
+priority, and while the active set starts, restores or runs its first step that is the
+restart's time (on the 2-core CI VM a takeover's first step took 3x a normal step with the
+next standby starting beside it). So an active set that dies before its first step has no
+standby yet and is restarted cold; one that dies after it, before the next standby is ready,
+is taken over by that standby as soon as it reaches ``restore()``.
 
 Every process it starts gets ``FLASHCKPT_RUN_GENERATION`` (1, 2, ...: the set it belongs to)
 and, with ``nproc > 1``, torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,

@@ -9,8 +9,8 @@ same root shares it: ``store.liveness``). It knows
 * the chunks present in the tier (listed once, then kept up to date), so a save can reuse one;
 * the pins of saves and promotions in flight: in memory for this process, and on disk under
   ``pins/`` (:mod:`flashckpt.store.pins`) for every other process, rank and ``flashckpt gc``;
-* quarantine: a chunk found damaged is moved out of ``chunks/`` and forgotten, so the next
-  save writes it again;
+* quarantine: a chunk found damaged is forgotten, so the next save writes it again, and its
+  file is moved out of ``chunks/`` (:mod:`flashckpt.store.quarantine`);
 * stamps (local tiers): which chunks' bytes this process wrote or verified by hashing, and
   the file's ``(st_ino, st_size, st_mtime_ns, st_ctime_ns)`` then. A chunk is reused only while
   its file still shows that stamp: bytes changed in place (a flipped byte, a punched hole, a
@@ -60,10 +60,9 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashckpt.errors import CorruptCheckpointError, FlashCkptError
+from flashckpt.errors import FlashCkptError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.backend import Backend
-from flashckpt.store.format import codec as codecs
 from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.format.names import (
     chunk_path,
@@ -75,10 +74,10 @@ from flashckpt.store.format.names import (
 from flashckpt.store.format.parse import parse_manifest
 from flashckpt.store.lock import RootLock
 from flashckpt.store.pins import Pin, Window
+from flashckpt.store.quarantine import move_away, still_damaged
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_DIR = "quarantine"
 _registry: weakref.WeakValueDictionary[str, Liveness] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
 
@@ -378,30 +377,12 @@ class Liveness:
                 return False  # a save of this process is writing a good copy over it
             path = chunk_path(ref.hash, ref.codec)
             try:
-                if not self._damaged(ref, path):
+                if not still_damaged(self.backend, ref, path):
                     self.quarantined.discard(ref.hash)
                     return False
-                self._move_away(path)
+                move_away(self.backend, self.root, path)
             except (OSError, FlashCkptError) as exc:
                 log.warning("could not quarantine chunk %s (%s): %s", ref.hash, reason, exc)
                 return False
         log.warning("quarantined damaged chunk %s of %s: %s", ref.hash, self.backend.url, reason)
         return True
-
-    def _damaged(self, ref: ChunkRef, path: str) -> bool:
-        try:
-            stored = self.backend.read(path)
-        except FileNotFoundError:
-            return False
-        try:
-            raw = codecs.decode(stored, ref.codec, ref.size, chunk=ref.hash)
-        except CorruptCheckpointError:
-            return True
-        return len(raw) != ref.size or codecs.hash_parts([raw]) != ref.hash
-
-    def _move_away(self, path: str) -> None:
-        if self.root is None:
-            self.backend.delete(path)
-            return
-        # through the gateway: a quarantine/ that is a symlink is refused, never followed
-        safeopen.rename_into(self.root, path, QUARANTINE_DIR, f"{Path(path).name}.{time.time_ns()}")

@@ -5,6 +5,10 @@ a chunk's bytes arrive and published under its hash by a rename that never follo
 :class:`FreePool` keeps a memory tier's freed chunk files (gc hands them over instead of
 unlinking them) so that a later chunk of the same size is copied into resident pages instead
 of pages allocated one by one. Synchronous; no threads.
+
+A write lease proves that nobody else has a recycled file open before its pages are reused, and
+is given back at once: a lease still held when another process opens the file (a backup reading
+the tier) makes the kernel send this process SIGIO, whose default action ends it.
 """
 
 from __future__ import annotations
@@ -250,8 +254,6 @@ class StagedFile:
             with suppress(BufferError):
                 self._map.close()
             self._map = None
-            with suppress(OSError):
-                fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
 
     def _close_dir(self) -> None:
         if self._dfd >= 0:
@@ -261,7 +263,8 @@ class StagedFile:
 
 def _open_recycled(dfd: int, name: str, size: int) -> int | None:
     """Open the recycled file ``name`` for writing when it is still this user's regular file
-    of ``size`` bytes with one link, and a write lease shows nobody else has it open."""
+    of ``size`` bytes with one link, and a write lease shows nobody else has it open (given
+    back at once: module docstring)."""
     try:
         fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dfd)
     except OSError:
@@ -269,6 +272,7 @@ def _open_recycled(dfd: int, name: str, size: int) -> int | None:
     try:
         if _reusable(os.fstat(fd), size):
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
             return fd
     except OSError:
         pass

@@ -1,0 +1,104 @@
+"""The memory tier's recycling pool (store/files/staged.py): no process that opens a file of the
+tier, ever, ends the writer (a write lease left held would: the kernel sends it SIGIO), and the
+files a killed writer left are reused by the next one."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.store import STAGING_DIR
+
+SIZE = 64 * 4096
+
+
+@pytest.fixture
+def mem() -> Iterator[Path]:
+    base = Path("/dev/shm")
+    if not base.is_dir():
+        pytest.skip("needs /dev/shm (a memory filesystem)")
+    path = base / f"fc-pool-{uuid.uuid4().hex[:10]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+KILLED = """
+import os, signal, sys
+from flashckpt.store.files.backend import LocalBackend
+backend = LocalBackend(sys.argv[1])
+backend.recycle_bytes = 1 << 30
+for i in range(2):
+    backend.put(f"chunks/ab/ab{i:02d}", [os.urandom(int(sys.argv[2]))])
+    assert backend.recycle(f"chunks/ab/ab{i:02d}") == int(sys.argv[2])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_files_a_killed_writer_pooled_are_reused_by_the_next(mem: Path) -> None:
+    """The pool is on disk, not in the process: the files a writer killed with SIGKILL left
+    are checked (this user's, one link, nobody has them open) and refilled by the next."""
+    killed = subprocess.run([sys.executable, "-c", KILLED, str(mem), str(SIZE)], timeout=60)
+    assert killed.returncode == -9
+    fresh = LocalBackend(mem)
+    fresh.recycle_bytes = 1 << 30
+    staged = fresh.open_staged(STAGING_DIR, SIZE)
+    assert staged.recycled
+    staged.write(b"q" * SIZE)
+    staged.publish("chunks/ef/ef00")
+    assert (mem / "chunks" / "ef" / "ef00").read_bytes() == b"q" * SIZE
+
+
+WRITER = """
+import os, subprocess, sys
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.store import STAGING_DIR
+mem, size = sys.argv[1], int(sys.argv[2])
+backend = LocalBackend(mem)
+backend.recycle_bytes = 1 << 30
+backend.put("chunks/ab/ab00", [os.urandom(size)])
+assert backend.recycle("chunks/ab/ab00") == size
+backend.put("chunks/ab/ab01", [os.urandom(size)])
+assert backend.recycle("chunks/ab/ab01") == size
+staged = backend.open_staged(STAGING_DIR, size)  # a save refilling a pooled file
+assert staged.recycled
+def backup():  # a reader opening every file of the tier, as tar or rsync would
+    subprocess.run([sys.executable, "-c", sys.argv[3], mem], check=True, timeout=60)
+backup()  # opens the staged file being filled and the pooled one waiting
+staged.write(b"w" * size)
+staged.publish("chunks/cd/cd00")
+backup()
+print("writer alive")
+"""
+
+
+READER = """
+import os, sys
+for d, _, files in os.walk(sys.argv[1]):
+    for f in files:
+        with open(os.path.join(d, f), "rb") as fh:
+            fh.read(1)
+"""
+
+
+def test_a_reader_opening_any_file_of_the_tier_never_ends_the_writer(mem: Path) -> None:
+    """A backup reading the memory tier while a save refills a pooled file opened the staged
+    file under the writer's write lease: the kernel sent the writer SIGIO, whose default
+    action ends the process (the writer died with -29 before the lease was given back at
+    once)."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WRITER), str(mem), str(SIZE), READER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, f"the writer ended with {out.returncode}: {out.stderr[-2000:]}"
+    assert "writer alive" in out.stdout
+    assert (mem / "chunks" / "cd" / "cd00").read_bytes() == b"w" * SIZE

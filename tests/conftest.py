@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,14 @@ def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     errors name the paths they are about, so ``pytest.raises(match="gap")`` in
     ``test_shards_with_a_gap...`` passed on the path alone, whatever the error said."""
     return tmp_path_factory.mktemp("t", numbered=True)
+
+
+@pytest.fixture
+def mem() -> Iterator[Path]:
+    """A memory tier directory in /dev/shm (tmpfs), removed afterwards."""
+    path = Path("/dev/shm") / f"fc-mem-{uuid.uuid4().hex[:10]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class TinyNet(torch.nn.Module):

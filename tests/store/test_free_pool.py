@@ -4,15 +4,9 @@ files a killed writer left are reused by the next one."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.store import STAGING_DIR
@@ -20,26 +14,18 @@ from flashckpt.store.store import STAGING_DIR
 SIZE = 64 * 4096
 
 
-@pytest.fixture
-def mem() -> Iterator[Path]:
-    base = Path("/dev/shm")
-    if not base.is_dir():
-        pytest.skip("needs /dev/shm (a memory filesystem)")
-    path = base / f"fc-pool-{uuid.uuid4().hex[:10]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-KILLED = """
-import os, signal, sys
+POOL_TWO = """
+import os, signal, subprocess, sys
 from flashckpt.store.files.backend import LocalBackend
-backend = LocalBackend(sys.argv[1])
+from flashckpt.store.store import STAGING_DIR
+mem, size = sys.argv[1], int(sys.argv[2])
+backend = LocalBackend(mem)
 backend.recycle_bytes = 1 << 30
-for i in range(2):
-    backend.put(f"chunks/ab/ab{i:02d}", [os.urandom(int(sys.argv[2]))])
-    assert backend.recycle(f"chunks/ab/ab{i:02d}") == int(sys.argv[2])
-os.kill(os.getpid(), signal.SIGKILL)
+for i in range(2):  # two chunk files freed into the pool
+    backend.put(f"chunks/ab/ab{i:02d}", [os.urandom(size)])
+    assert backend.recycle(f"chunks/ab/ab{i:02d}") == size
 """
+KILLED = POOL_TWO + "os.kill(os.getpid(), signal.SIGKILL)\n"
 
 
 def test_the_files_a_killed_writer_pooled_are_reused_by_the_next(mem: Path) -> None:
@@ -56,17 +42,9 @@ def test_the_files_a_killed_writer_pooled_are_reused_by_the_next(mem: Path) -> N
     assert (mem / "chunks" / "ef" / "ef00").read_bytes() == b"q" * SIZE
 
 
-WRITER = """
-import os, subprocess, sys
-from flashckpt.store.files.backend import LocalBackend
-from flashckpt.store.store import STAGING_DIR
-mem, size = sys.argv[1], int(sys.argv[2])
-backend = LocalBackend(mem)
-backend.recycle_bytes = 1 << 30
-backend.put("chunks/ab/ab00", [os.urandom(size)])
-assert backend.recycle("chunks/ab/ab00") == size
-backend.put("chunks/ab/ab01", [os.urandom(size)])
-assert backend.recycle("chunks/ab/ab01") == size
+WRITER = (
+    POOL_TWO
+    + """
 staged = backend.open_staged(STAGING_DIR, size)  # a save refilling a pooled file
 assert staged.recycled
 def backup():  # a reader opening every file of the tier, as tar or rsync would
@@ -77,6 +55,7 @@ staged.publish("chunks/cd/cd00")
 backup()
 print("writer alive")
 """
+)
 
 
 READER = """
@@ -94,7 +73,7 @@ def test_a_reader_opening_any_file_of_the_tier_never_ends_the_writer(mem: Path) 
     action ends the process (the writer died with -29 before the lease was given back at
     once)."""
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(WRITER), str(mem), str(SIZE), READER],
+        [sys.executable, "-c", WRITER, str(mem), str(SIZE), READER],
         capture_output=True,
         text=True,
         timeout=120,

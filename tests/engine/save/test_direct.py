@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,6 @@ from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import STAGING_DIR, CheckpointStore
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def mem(tmp_path: Path):
-    """A memory tier directory in /dev/shm (tmpfs), removed afterwards."""
-    import shutil
-
-    path = Path("/dev/shm") / f"fc-direct-{uuid.uuid4().hex[:10]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(n: int = 6, numel: int = 300_000) -> dict:

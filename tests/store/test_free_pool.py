@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.files.staged import FREE_DIR
 from flashckpt.store.store import STAGING_DIR
 
 SIZE = 64 * 4096
@@ -81,3 +83,49 @@ def test_a_reader_opening_any_file_of_the_tier_never_ends_the_writer(mem: Path) 
     assert out.returncode == 0, f"the writer ended with {out.returncode}: {out.stderr[-2000:]}"
     assert "writer alive" in out.stdout
     assert (mem / "chunks" / "cd" / "cd00").read_bytes() == b"w" * SIZE
+
+
+def _listings(fn) -> int:
+    """How many directory listings ``fn()`` makes in this thread."""
+    seen: list[str] = []
+    me = threading.get_ident()
+
+    def hook(event: str, args: tuple) -> None:
+        if watching and threading.get_ident() == me and event in ("os.scandir", "os.listdir"):
+            seen.append(event)
+
+    watching = False
+    sys.addaudithook(hook)  # audit hooks cannot be removed: this one goes quiet after
+    watching = True
+    try:
+        fn()
+    finally:
+        watching = False
+    return len(seen)
+
+
+def test_a_staged_chunk_takes_a_pooled_file_without_listing_the_pool(mem: Path) -> None:
+    """The pool's files are listed once per process and then known: each staged chunk used to
+    list them all again (a cost per chunk that grew with the pool). A file that went away
+    behind the pool's back is skipped, and the next one of the size is taken."""
+    backend = LocalBackend(mem)
+    backend.recycle_bytes = 1 << 30
+    paths = [f"chunks/{i:02x}/{i:02x}00" for i in range(20)]
+    for p in paths:
+        backend.put(p, [b"z" * SIZE])
+    assert backend.remove_files(paths) == [SIZE] * 20  # every one kept, none deleted
+    pooled = sorted((mem / FREE_DIR).iterdir())
+    assert len(pooled) == 20 and not (mem / "chunks" / "00" / "0000").exists()
+    pooled[0].unlink()  # someone cleaned up behind the pool's back
+
+    def take_ten() -> None:
+        for i in range(10):
+            staged = backend.open_staged(STAGING_DIR, SIZE)
+            assert staged.recycled
+            staged.write(b"t" * SIZE)
+            staged.publish(f"chunks/ee/ee{i:02d}")
+
+    assert _listings(take_ten) == 0
+    assert len(list((mem / FREE_DIR).iterdir())) == 9
+    assert (mem / "chunks" / "ee" / "ee09").read_bytes() == b"t" * SIZE
+    assert backend.drain_free() == 9 * SIZE

@@ -127,6 +127,7 @@ class Liveness:
         self.candidates: set[str] = set()  # may have become garbage since the last collection
         self.quarantined: set[str] = set()
         self._stamps: dict[str, Stamp] = {}  # local tiers only: see find()
+        self.codecs: set[str] = set()  # every codec a chunk of this tier was seen or written in
         self.synced = False  # every listed manifest parsed at least once
         # local tiers: pins on disk, and the first collection sweeps every chunk file (orphans
         # of processes that died). A remote tier has one writer, the promoter of the job that
@@ -145,6 +146,7 @@ class Liveness:
                         parsed = parse_chunk_name(name)
                         if parsed is not None:
                             known[parsed[0]] = ChunkRef(hash=parsed[0], size=-1, codec=parsed[1])
+                self.codecs.update(ref.codec for ref in known.values())
                 self._index = known
             return self._index
 
@@ -220,6 +222,20 @@ class Liveness:
             self.quarantined.discard(ref.hash)
             if key is not None:
                 self._stamp(ref, key)
+
+    def writing(self, codec: str) -> None:
+        """A chunk is about to be written in ``codec`` (before its file exists: see
+        :meth:`chunk_paths`)."""
+        with self.mutex:
+            self.codecs.add(codec)
+
+    def chunk_paths(self, h: str) -> list[str]:
+        """The files chunk ``h`` may have in this tier, for gc to delete: one per codec a chunk
+        of this tier was listed, named by a manifest, or written in since this process opened
+        it. A file in any other codec would be an orphan of another process, which the full
+        sweep (the first collection of a process, or after a dead writer's pin) lists."""
+        with self.mutex:
+            return [chunk_path(h, c) for c in sorted(self.codecs)]
 
     def _stamp(self, ref: ChunkRef, key: FileKey) -> None:
         self._stamps[ref.hash] = Stamp(key=key, size=ref.size, codec=ref.codec, at=time.monotonic())
@@ -314,6 +330,7 @@ class Liveness:
     def _set(self, name: str, version: object, chunks: Iterable[ChunkRef]) -> None:
         self._drop(name)
         refs = {c.hash: c for c in chunks}
+        self.codecs.update(c.codec for c in refs.values())
         self._manifests[name] = (version, frozenset(refs))
         for h, c in refs.items():
             self._refcount[h] += 1

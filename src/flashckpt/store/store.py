@@ -80,6 +80,7 @@ class CheckpointStore:
         stored_codec = codec if codec == "raw" or len(stored[0]) < size else "raw"
         if stored_codec == "raw" and codec != "raw":
             stored = list(parts)  # incompressible: keep it raw
+        self.liveness.writing(stored_codec)
         n = self.backend.put(chunk_path(h, stored_codec), stored)
         ref = ChunkRef(hash=h, size=size, codec=stored_codec, stored_size=n)
         self.liveness.added(ref)
@@ -297,6 +298,7 @@ class StagedChunk:
             raise StorageError(
                 f"staged chunk {h}: {self._f.written} bytes written, {size} expected (internal)"
             )
+        self.store.liveness.writing("raw")
         n = self._f.publish(chunk_path(h, "raw"))
         ref = ChunkRef(hash=h, size=size, codec="raw", stored_size=n)
         self.store.liveness.added(ref)

@@ -26,7 +26,7 @@ from flashckpt.distributed.standby import role as roles
 from flashckpt.engine.runtime.restart import RestartClock
 from flashckpt.errors import FlashCkptError
 from flashckpt.journal import Journal, read_events
-from flashckpt.store.files import safeopen
+from flashckpt.store.files import removal, safeopen
 from flashckpt.store.files.jsonfile import load_object
 from flashckpt.store.store import CheckpointStore
 
@@ -70,7 +70,7 @@ class RunMarker:
         if self.primary:
             self.journal.append("run_start", clean_previous=not crashed)
         if crashed and not safeopen.is_regular(self.root, self.rel):
-            safeopen.unlink_nofollow(self.root, self.rel)  # a planted link/FIFO: drop, not follow
+            removal.unlink_nofollow(self.root, self.rel)  # a planted link/FIFO: drop, not follow
         self._fd = safeopen.open_nofollow(
             self.root, self.rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True
         )
@@ -119,7 +119,7 @@ class RunMarker:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        safeopen.unlink_nofollow(self.root, self.rel)
+        removal.unlink_nofollow(self.root, self.rel)
 
 
 def _mtime(journal: Journal) -> float | None:

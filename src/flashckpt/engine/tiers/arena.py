@@ -50,7 +50,7 @@ import torch
 from flashckpt.engine.tiers import identity as tierid
 from flashckpt.engine.tiers.build import Tier
 from flashckpt.errors import FlashCkptError
-from flashckpt.store.files import safeopen
+from flashckpt.store.files import removal, safeopen
 from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.lock import writer_holder
 
@@ -135,7 +135,7 @@ class ArenaFile:
         """Delete the file, and its directory once empty (a clean close); a mapping still in
         use stays valid until it is dropped."""
         try:
-            safeopen.unlink_nofollow(self.tier, self.rel)
+            removal.unlink_nofollow(self.tier, self.rel)
             dfd = safeopen.open_dir(self.tier)
             try:
                 os.rmdir(DIR, dir_fd=dfd)  # never follows a link; another writer's: ENOTEMPTY
@@ -173,7 +173,7 @@ def sweep_orphans(tier: Path, *, own: str) -> list[str]:
                 continue  # its writer lives (another rank of this node)
             if not safeopen.is_regular(tier, f"{DIR}/{entry}"):
                 continue
-            safeopen.unlink_nofollow(tier, f"{DIR}/{entry}")
+            removal.unlink_nofollow(tier, f"{DIR}/{entry}")
             swept.append(entry)
         except (OSError, FlashCkptError) as exc:
             log.warning("staging arena: not removing orphaned %s: %s", tier / DIR / entry, exc)

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from flashckpt.errors import ConfigError, StorageError
-from flashckpt.store.files import safeopen
+from flashckpt.store.files import removal, safeopen
 from flashckpt.store.files.directio import write_parts
 from flashckpt.store.files.limits import read_limit
 from flashckpt.store.files.oserrors import storage_error as _storage_error
+from flashckpt.store.files.removal import unlink_quiet as _unlink_quiet
 from flashckpt.store.files.safeopen import check_relpath
-from flashckpt.store.files.safeopen import unlink_quiet as _unlink_quiet
 from flashckpt.store.files.staged import FreePool, StagedFile
 
 Buffer = Any  # bytes, bytearray, memoryview, or a C-contiguous numpy array
@@ -134,7 +134,7 @@ class LocalBackend:
                         self.direct_io = False  # this filesystem has no O_DIRECT
                     self.direct_bytes += res.direct_bytes
                 written = res.written
-                if self.fsync:
+                if self.syncs():
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -180,6 +180,18 @@ class LocalBackend:
         it (a memory tier; :meth:`FreePool.recycle`); its size, or -1 when not kept."""
         return self._pool.recycle(path)
 
+    def remove_files(self, paths: Sequence[str]) -> builtins.list[int]:
+        """Delete (a memory tier: recycle, :meth:`recycle`) each of ``paths``; the size of each,
+        -1 when it was not removed (missing, not a regular file, or not sizable). Each
+        directory is opened once (store/files/removal.py)."""
+        try:
+            with self._pool.recycling() as keep:
+                return removal.remove_files(self.root, paths, recycle=keep)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            raise _storage_error("delete", self.root, exc) from exc
+
     def drain_free(self) -> int:
         """Delete every recycled file (a clean close leaves none); the bytes freed."""
         return self._pool.drain()
@@ -203,7 +215,7 @@ class LocalBackend:
             except OSError as exc:
                 raise _storage_error("create", self._abs(rel), exc) from exc
             os.close(fd)
-        if self.fsync:
+        if self.syncs():
             for p in sorted(parents):
                 self._sync_dir(p)
 
@@ -334,10 +346,16 @@ class LocalBackend:
         """Remove a file (a symlink is removed itself, never its target); missing is fine.
         A symlinked directory component is refused (StorageError): nothing outside the root
         is ever deleted."""
-        safeopen.unlink_nofollow(self.root, path)
+        removal.unlink_nofollow(self.root, path)
+
+    def syncs(self) -> bool:
+        """Whether an fsync does anything here: not when asked not to, and not on a memory
+        filesystem, where it is a no-op that still costs a system call, and in a thread beside
+        a training loop a hand-off of the GIL (a memory-tier save made one per chunk)."""
+        return self.fsync and not self.in_memory
 
     def sync_dirs(self, dirs: Sequence[str]) -> None:
-        if not self.fsync:
+        if not self.syncs():
             return
         for d in sorted(set(dirs)):
             self._sync_dir(d)

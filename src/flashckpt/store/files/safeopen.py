@@ -17,6 +17,7 @@ the run marker, tiers.json, the root id, and the writer lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -77,9 +78,9 @@ def kind_of(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "special file")
 
 
-def _refused(base: Path, rel: str, exc: OSError) -> StorageError:
+def _refused(path: Path, exc: OSError) -> StorageError:
     err = StorageError(
-        f"refusing to open {base / rel}: a component is a symlink or not a directory "
+        f"refusing to open {path}: a component is a symlink or not a directory "
         f"({exc.strerror}); flashckpt never follows links inside a checkpoint root. Remove it "
         "(and check who else can write this directory)"
     )
@@ -126,32 +127,56 @@ def open_dir(
     try:
         done = []
         for part in check_relpath(rel).split("/") if rel else []:
-            try:
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(part, mode, dir_fd=fd)
-                except FileExistsError:
-                    pass
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            done.append(part)
+            nfd = open_child(fd, part, base, "/".join(done), create=create, mode=mode, write=write)
             os.close(fd)
             fd = nfd
-            done.append(part)
-            problem = untrusted_dir(os.fstat(fd)) if create or write else None
-            if problem:
-                raise StorageError(
-                    f"refusing {base / '/'.join(done)}: {problem}; whoever can write it could "
-                    "swap what flashckpt writes below it. Fix its owner or mode, or choose "
-                    "another path"
-                )
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _refused(base, rel, exc) from None
+            raise _refused(base / rel, exc) from None
         raise
     return fd
+
+
+def open_child(
+    fd: int,
+    part: str,
+    base: Path,
+    rel: str,
+    *,
+    create: bool = False,
+    mode: int = 0o755,
+    write: bool = False,
+) -> int:
+    """One step of :func:`open_dir`: the directory ``part`` below the directory fd ``fd``
+    (``base/rel``: its path, for errors), with the same rules; for callers that keep ``fd``
+    open (store/files/removal.py) instead of walking down from the anchor again."""
+    try:
+        try:
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode, dir_fd=fd)
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refused(base / rel, exc) from None
+        raise
+    try:
+        problem = untrusted_dir(os.fstat(nfd)) if create or write else None
+    except OSError:
+        os.close(nfd)
+        raise
+    if problem:
+        os.close(nfd)
+        raise StorageError(
+            f"refusing {base / rel}: {problem}; whoever can write it could swap what flashckpt "
+            "writes below it. Fix its owner or mode, or choose another path"
+        )
+    return nfd
 
 
 @_gateway
@@ -309,26 +334,6 @@ def is_regular(base: str | os.PathLike[str], rel: str) -> bool:
 
 
 @_gateway
-def unlink_nofollow(base: str | os.PathLike[str], rel: str) -> None:
-    """Remove ``base/rel`` (the link itself, if it is one); missing is fine. Never through a
-    symlinked directory component (refused with StorageError)."""
-    head, _, name = check_relpath(rel).rpartition("/")
-    try:
-        dfd = open_dir(base, head, write=True)
-    except FileNotFoundError:
-        return
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except (FileNotFoundError, IsADirectoryError):
-        pass
-    except OSError as exc:
-        if exc.errno != errno.EPERM:  # EPERM: a directory on some systems
-            raise
-    finally:
-        os.close(dfd)
-
-
-@_gateway
 def rename_into(
     base: str | os.PathLike[str], src: str, dst_dir: str, dst_name: str, *, mode: int = 0o700
 ) -> None:
@@ -385,11 +390,3 @@ def write_file_atomic(
         raise
     finally:
         os.close(dfd)
-
-
-@_gateway
-def unlink_quiet(dfd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass

@@ -20,14 +20,15 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from flashckpt.errors import StorageError
 from flashckpt.store.files import safeopen
 from flashckpt.store.files.oserrors import storage_error
-from flashckpt.store.files.safeopen import check_relpath, unlink_quiet
+from flashckpt.store.files.removal import Recycler, unlink_quiet
+from flashckpt.store.files.safeopen import check_relpath
 
 Buffer = Any
 _tmp_counter = itertools.count()
@@ -42,7 +43,8 @@ class FreePool:
 
     def __init__(self, b: Any) -> None:
         self.b = b
-        self._bytes: int | None = None  # bytes in FREE_DIR (None: not counted yet)
+        # FREE_DIR's files, name -> size: listed once (None: not yet), then kept up to date
+        self._known: dict[str, int] | None = None
         self._lock = threading.Lock()
 
     def recycle(self, path: str) -> int:
@@ -54,32 +56,55 @@ class FreePool:
         new tmpfs file 113 ms, copied into a recycled one 25 ms, a memcpy 23 ms). A recycled
         file is reused only once nobody else has it open (a write lease): a reader that opened
         the chunk before gc moved it keeps its bytes, and after the move nobody finds it."""
-        if self.b.recycle_bytes <= 0 or not self.b.in_memory:
+        if not self._pooling():
             return -1
         head, _, name = check_relpath(path).rpartition("/")
-        with self._lock:
-            try:
-                src = safeopen.open_dir(self.b.root, head, write=True)
-            except (OSError, StorageError):
-                return -1
-            try:
-                st = os.stat(name, dir_fd=src, follow_symlinks=False)
-                used = self._count()
-                fits = used + st.st_size <= self.b.recycle_bytes
-                if not (st.st_size and fits and _reusable(st, st.st_size)):
-                    return -1
-                dst = safeopen.open_dir(self.b.root, FREE_DIR, create=True)
+        try:
+            src = safeopen.open_dir(self.b.root, head, write=True)
+        except (OSError, StorageError):
+            return -1
+        try:
+            with self.recycling() as keep:
+                return keep(src, name) if keep is not None else -1
+        finally:
+            os.close(src)
+
+    def _pooling(self) -> bool:
+        return self.b.recycle_bytes > 0 and bool(self.b.in_memory)
+
+    @contextmanager
+    def recycling(self) -> Iterator[Recycler | None]:
+        """:meth:`recycle` for a batch of files (store/files/removal.py): ``keep(dir_fd,
+        name)`` moves the file ``name`` of the open directory ``dir_fd`` into the pool and
+        returns its size, or -1 (delete it); :data:`FREE_DIR` is opened once for the batch.
+        None when this backend does not pool."""
+        if not self._pooling():
+            yield None
+            return
+        dst: list[int] = []
+
+        def keep(src: int, name: str) -> int:
+            with self._lock:
                 try:
+                    st = os.stat(name, dir_fd=src, follow_symlinks=False)
+                    used = self._count()
+                    fits = used + st.st_size <= self.b.recycle_bytes
+                    if not (st.st_size and fits and _reusable(st, st.st_size)):
+                        return -1
+                    if not dst:
+                        dst.append(safeopen.open_dir(self.b.root, FREE_DIR, create=True))
                     free = f"{st.st_size}-{os.getpid()}-{next(_tmp_counter)}.free"
-                    os.rename(name, free, src_dir_fd=src, dst_dir_fd=dst)
-                finally:
-                    os.close(dst)
-            except (OSError, StorageError):
-                return -1
-            finally:
-                os.close(src)
-            self._bytes = used + st.st_size
-            return int(st.st_size)
+                    os.rename(name, free, src_dir_fd=src, dst_dir_fd=dst[0])
+                except (OSError, StorageError):
+                    return -1
+                self._index()[free] = int(st.st_size)
+                return int(st.st_size)
+
+        try:
+            yield keep
+        finally:
+            for fd in dst:
+                os.close(fd)
 
     def drain(self) -> int:
         """Delete every recycled file (a clean close leaves none); the bytes freed."""
@@ -87,13 +112,16 @@ class FreePool:
             files = self._files()
             for path in files:
                 self.b.delete(path)
-            self._bytes = 0
+            self._known = {}
         return sum(files.values())
 
     def _count(self) -> int:
-        if self._bytes is None:  # a killed writer's pool is this one's now
-            self._bytes = sum(self._files().values())
-        return self._bytes
+        return sum(self._index().values())
+
+    def _index(self) -> dict[str, int]:
+        if self._known is None:  # a killed writer's pool is this one's now
+            self._known = {p.rpartition("/")[2]: n for p, n in self._files().items()}
+        return self._known
 
     def _files(self) -> dict[str, int]:
         """Each recycled file's path and size (0 when it cannot be sized)."""
@@ -112,20 +140,19 @@ class FreePool:
             if not self._count():
                 return None
             prefix = f"{size}-"
-            for free in self.b._names(FREE_DIR):
-                if not free.startswith(prefix):
-                    continue
+            known = self._index()
+            for free in [f for f in known if f.startswith(prefix)]:
                 try:
                     src = safeopen.open_dir(self.b.root, FREE_DIR, write=True)
                 except (OSError, StorageError):
                     return None
+                known.pop(free)  # renamed away below, or gone already
                 try:
                     os.rename(free, name, src_dir_fd=src, dst_dir_fd=dfd)
                 except OSError:
                     continue  # taken meanwhile
                 finally:
                     os.close(src)
-                self._bytes = max(0, (self._bytes or 0) - size)
                 fd = _open_recycled(dfd, name, size)
                 if fd is not None:
                     return fd
@@ -219,7 +246,7 @@ class StagedFile:
         head, _, name = check_relpath(path).rpartition("/")
         try:
             self._unmap()
-            if self.backend.fsync:
+            if self.backend.syncs():
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1

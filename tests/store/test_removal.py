@@ -1,0 +1,142 @@
+"""Removing a save's garbage in one pass (store/files/removal.py, gc's ``_delete``).
+
+gc used to size and delete each garbage chunk by walking down from the root once per codec
+suffix it might have (five) and once more to delete it: about thirty system calls per chunk,
+each a GIL hand-off with a training thread. These tests hold the class: what one collection
+opens, that every file of a chunk is still found (two codecs), and that the batch keeps the
+gateway's rules (nothing through a symlink, nothing but regular files removed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+import flashckpt
+from flashckpt.store.files.backend import LocalBackend
+from flashckpt.store.gc import collect_garbage
+from flashckpt.store.store import CheckpointStore
+
+_events: list[tuple[int, str, tuple]] = []
+_watching: set[int] = set()
+
+
+def _hook(event: str, args: tuple) -> None:
+    if threading.get_ident() in _watching and event in ("open", "os.remove", "os.rename"):
+        _events.append((threading.get_ident(), event, args))
+
+
+sys.addaudithook(_hook)
+
+
+def _counted(fn):
+    """Run ``fn()`` in this thread and return (its result, the file opens it made)."""
+    _events.clear()
+    _watching.add(threading.get_ident())
+    try:
+        out = fn()
+    finally:
+        _watching.discard(threading.get_ident())
+    return out, [e for e in _events if e[1] == "open"]
+
+
+N = 1 << 18  # 1 MiB of float32: a chunk of its own (not packed)
+
+
+def _state(seed: float, n: int) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((N,), seed + i) for i in range(n)}
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    return [p for p in (root / "chunks").rglob("*") if p.is_file()]
+
+
+def test_collecting_a_saves_garbage_opens_each_directory_once(tmp_path):
+    n = 40
+    with flashckpt.Checkpointer(tmp_path, keep=10) as ck:
+        ck.save(1, _state(1.0, n))
+        ck.save(2, _state(1000.0, n))
+    store = CheckpointStore(LocalBackend(tmp_path))
+    collect_garbage(store)  # a process's first collection sweeps every file: not measured
+    before = set(_chunk_files(tmp_path))
+    store.delete_step(1)
+    res, opens = _counted(lambda: collect_garbage(store))
+    gone = before - set(_chunk_files(tmp_path))
+    assert res.chunks_deleted == len(gone) >= n
+    dirs = {p.parent for p in gone}
+    # each chunk directory once, plus nine for the collection itself (the root four times,
+    # locks/, the lock file, steps/, pins/, chunks/); before: some fifteen opens per chunk
+    assert len(opens) <= len(dirs) + 10, (len(opens), len(dirs))
+    assert all(p.exists() for p in before - gone)  # step 2's chunks stay
+    out = {k: torch.zeros(N) for k in _state(0.0, n)}
+    with flashckpt.Checkpointer(tmp_path) as ck:
+        assert ck.restore(out) == 2
+    assert torch.equal(out["t3"], torch.full((N,), 1003.0))
+
+
+def test_a_chunk_stored_in_two_codecs_loses_both_files_when_it_becomes_garbage(tmp_path):
+    """A chunk written raw, then again compressed by a process that had not verified the raw
+    copy (a new process, another compression setting), has two files; gc deletes both."""
+    same = {"w": (torch.arange(65536) % 7).float()}
+    raw_root = tmp_path / "raw"
+    with flashckpt.Checkpointer(raw_root, keep=10) as ck:
+        ck.save(1, same)
+    root = tmp_path / "both"
+    shutil.copytree(raw_root, root)  # another root: no stamps of this process's writes
+    with flashckpt.Checkpointer(root, keep=1, compression="zstd") as ck:
+        ck.save(2, same)
+        names = sorted(p.name for p in _chunk_files(root))
+        assert len(names) == 2 and names[1].startswith(names[0] + "."), names  # raw and zstd
+        ck.save(3, {"w": torch.ones(65536)})
+        ck.save(4, {"w": torch.full((65536,), 2.0)})
+    left = {p.name for p in _chunk_files(root)}
+    assert not any(n.startswith(names[0]) for n in left), (names, left)
+
+
+def test_remove_files_keeps_the_gateways_rules(tmp_path):
+    from flashckpt.store.files import removal
+
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    (root / "chunks" / "aa").mkdir(parents=True)
+    outside.mkdir()
+    (root / "chunks" / "aa" / "one").write_bytes(b"x" * 10)
+    (outside / "two").write_bytes(b"keep")
+    (root / "chunks" / "bb").symlink_to(outside)  # a planted link to a directory
+    (root / "chunks" / "aa" / "link").symlink_to(outside / "two")
+    os.mkfifo(root / "chunks" / "aa" / "fifo")
+    (root / "chunks" / "aa" / "sub").mkdir()
+    got = removal.remove_files(
+        root,
+        [
+            "chunks/aa/one",
+            "chunks/bb/two",
+            "chunks/aa/link",
+            "chunks/aa/fifo",
+            "chunks/aa/sub",
+            "chunks/aa/missing",
+            "chunks/cc/missing",
+        ],
+    )
+    assert got == [10, -1, -1, -1, -1, -1, -1]
+    assert not (root / "chunks" / "aa" / "one").exists()
+    assert (outside / "two").read_bytes() == b"keep"  # nothing through the link
+    assert (root / "chunks" / "aa" / "link").is_symlink()  # left alone, not followed
+    assert (root / "chunks" / "aa" / "fifo").exists()
+    assert (root / "chunks" / "aa" / "sub").is_dir()
+
+
+def test_remove_files_never_writes_below_a_directory_others_may_write(tmp_path):
+    from flashckpt.store.files import removal
+
+    root = tmp_path / "root"
+    (root / "chunks" / "aa").mkdir(parents=True)
+    (root / "chunks" / "aa" / "one").write_bytes(b"x")
+    os.chmod(root / "chunks" / "aa", 0o777)  # world-writable, no sticky bit
+    assert removal.remove_files(root, ["chunks/aa/one"]) == [-1]
+    assert (root / "chunks" / "aa" / "one").exists()

@@ -1,8 +1,10 @@
-"""Removing a save's garbage in one pass (store/files/removal.py, gc's ``_delete``).
+"""The system calls a save makes per chunk: removing its garbage in one pass
+(store/files/removal.py, gc's ``_delete``) and stamping what it wrote from the writer's fd.
 
 gc used to size and delete each garbage chunk by walking down from the root once per codec
 suffix it might have (five) and once more to delete it: about thirty system calls per chunk,
-each a GIL hand-off with a training thread. These tests hold the class: what one collection
+each a GIL hand-off with a training thread; stamping a chunk just written walked down
+again to stat it. These tests hold the class: what one collection
 opens, that every file of a chunk is still found (two codecs), and that the batch keeps the
 gateway's rules (nothing through a symlink, nothing but regular files removed).
 """
@@ -140,3 +142,36 @@ def test_remove_files_never_writes_below_a_directory_others_may_write(tmp_path):
     os.chmod(root / "chunks" / "aa", 0o777)  # world-writable, no sticky bit
     assert removal.remove_files(root, ["chunks/aa/one"]) == [-1]
     assert (root / "chunks" / "aa" / "one").exists()
+
+
+def test_a_written_chunk_is_stamped_from_the_writers_own_fd(tmp_path):
+    """put_chunk stamped the chunk it had just written by walking down from the root again to
+    stat it (three more opens per chunk); the stamp now comes from the writer's fstat after
+    the rename, and is the same key a later lstat finds, so the next save still reuses it."""
+    store = CheckpointStore(LocalBackend(tmp_path))
+    store.put_chunk("ab" + "cd" * 15, 8, [b"warm up."], "raw")  # the index, dirs, mountinfo
+    h = "ab" * 16
+    _, opens = _counted(lambda: store.put_chunk(h, 8, [b"12345678"], "raw"))
+    names = [e[2][0] for e in opens]
+    # the root, chunks/, chunks/ab and the temporary file: nothing after the rename
+    assert len(names) == 4 and names[1:3] == ["chunks", "ab"], names
+    assert names[3].startswith(f"{h}.tmp-"), names
+    assert store.liveness.find(h, 8) is not None  # stamped: reusable without reading it
+    os.utime(tmp_path / "chunks" / "ab" / h, ns=(1, 1))  # changed behind the stamp's back
+    assert store.liveness.find(h, 8) is None  # written again, not trusted
+
+
+def test_written_stat_answers_only_for_this_threads_last_put_of_that_path(tmp_path):
+    backend = LocalBackend(tmp_path)
+    backend.put("chunks/aa/one", [b"1"])
+    assert backend.written_stat("chunks/aa/two") is None
+    backend.put("chunks/aa/one", [b"22"])
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(backend.written_stat("chunks/aa/one")))
+    t.start()
+    t.join()
+    assert other == [None]  # another thread's put is not this one's
+    st = backend.written_stat("chunks/aa/one")
+    assert st is not None and st.st_size == 2
+    assert st.st_ino == os.stat(tmp_path / "chunks" / "aa" / "one").st_ino
+    assert backend.written_stat("chunks/aa/one") is None  # answered once

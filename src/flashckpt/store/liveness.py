@@ -214,9 +214,10 @@ class Liveness:
         with self.mutex:
             return {h: st.at for h, st in self._stamps.items()}
 
-    def added(self, ref: ChunkRef) -> None:
-        """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it."""
-        key = self.before_read(ref)
+    def added(self, ref: ChunkRef, st: os.stat_result | None = None) -> None:
+        """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it. ``st``:
+        the writer's ``fstat`` of the file after its rename, else it is stat'ed here."""
+        key = file_key(st) if st is not None and self.root is not None else self.before_read(ref)
         with self.mutex:
             self.index()[ref.hash] = ref
             self.quarantined.discard(ref.hash)

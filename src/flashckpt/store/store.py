@@ -81,9 +81,11 @@ class CheckpointStore:
         if stored_codec == "raw" and codec != "raw":
             stored = list(parts)  # incompressible: keep it raw
         self.liveness.writing(stored_codec)
-        n = self.backend.put(chunk_path(h, stored_codec), stored)
+        path = chunk_path(h, stored_codec)
+        n = self.backend.put(path, stored)
+        written_stat = getattr(self.backend, "written_stat", None)
         ref = ChunkRef(hash=h, size=size, codec=stored_codec, stored_size=n)
-        self.liveness.added(ref)
+        self.liveness.added(ref, written_stat(path) if written_stat is not None else None)
         return ref
 
     @property
@@ -301,7 +303,7 @@ class StagedChunk:
         self.store.liveness.writing("raw")
         n = self._f.publish(chunk_path(h, "raw"))
         ref = ChunkRef(hash=h, size=size, codec="raw", stored_size=n)
-        self.store.liveness.added(ref)
+        self.store.liveness.added(ref, getattr(self._f, "published_stat", None))
         return ref
 
     def abort(self) -> None:

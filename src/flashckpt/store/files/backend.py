@@ -103,6 +103,7 @@ class LocalBackend:
         self.recycle_bytes = 0
         self._pool = FreePool(self)
         self._stats_lock = threading.Lock()  # put() runs in several persist workers at once
+        self._put_by_thread = threading.local()  # see written_stat
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
         if create:
@@ -133,18 +134,27 @@ class LocalBackend:
                     if res.direct_refused:
                         self.direct_io = False  # this filesystem has no O_DIRECT
                     self.direct_bytes += res.direct_bytes
-                written = res.written
                 if self.syncs():
                     os.fsync(fd)
+                safeopen.replace_in(dfd, tmp, name)  # replaces a planted link, never follows it
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
-            safeopen.replace_in(dfd, tmp, name)  # replaces a planted link, never follows it
         except OSError as exc:
             _unlink_quiet(dfd, tmp)
             raise _storage_error("write", self._abs(path), exc) from exc
         finally:
             os.close(dfd)
-        return written
+        self._put_by_thread.last = (path, st)
+        return res.written
+
+    def written_stat(self, path: str) -> os.stat_result | None:
+        """The ``fstat`` after the rename of the file that this thread's last :meth:`put`
+        wrote, if that was ``path`` (a chunk's stamp, store/liveness.py, without walking down
+        from the root again to stat it); None otherwise."""
+        last = getattr(self._put_by_thread, "last", None)
+        self._put_by_thread.last = None
+        return last[1] if last is not None and last[0] == path else None
 
     def open_staged(self, head: str, size: int | None = None) -> StagedFile:
         """A new temporary file in the directory ``head`` (created if missing), to be filled

@@ -177,6 +177,7 @@ class StagedFile:
     ) -> None:
         self.backend, self._dfd, self._fd, self.head, self.name = backend, dfd, fd, head, name
         self.written = 0
+        self.published_stat: os.stat_result | None = None  # set by publish
         self._map: mmap.mmap | None = None
         self._dst: Any = None
         if mapped_size:
@@ -248,13 +249,14 @@ class StagedFile:
             self._unmap()
             if self.backend.syncs():
                 os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
             dst = safeopen.open_dir(self.backend.root, head, create=True)
             try:
                 os.replace(self.name, name, src_dir_fd=self._dfd, dst_dir_fd=dst)
             finally:
                 os.close(dst)
+            self.published_stat = os.fstat(self._fd)  # the chunk's stamp (liveness.added)
+            os.close(self._fd)
+            self._fd = -1
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, StorageError):

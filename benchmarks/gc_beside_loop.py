@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import flashckpt
+from flashckpt.cli.bench import cost
 from flashckpt.store.files.backend import LocalBackend
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import CheckpointStore
@@ -45,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.memory_tier:
             store.backend.recycle_bytes = 1 << 30  # as a memory tier's save path sets it
         collect_garbage(store)  # a process's first collection sweeps everything: not timed
-        x = torch.zeros(8)
+        work = cost._work("dispatch")  # loop-cost's profile: 3000 small ops a call
 
-        def loop(n: int = 60000) -> float:
-            t, y = time.perf_counter(), x
-            for _ in range(n):
-                y = y * 1.0001 + 0.0001
+        def loop(calls: int = 20) -> float:
+            t = time.perf_counter()
+            for _ in range(calls):
+                work()
             return time.perf_counter() - t
 
         alone = statistics.median(loop() for _ in range(3))

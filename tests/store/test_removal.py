@@ -161,17 +161,39 @@ def test_a_written_chunk_is_stamped_from_the_writers_own_fd(tmp_path):
     assert store.liveness.find(h, 8) is None  # written again, not trusted
 
 
-def test_written_stat_answers_only_for_this_threads_last_put_of_that_path(tmp_path):
+def test_last_stat_answers_only_for_this_threads_last_put_or_map_of_that_path(tmp_path):
     backend = LocalBackend(tmp_path)
     backend.put("chunks/aa/one", [b"1"])
-    assert backend.written_stat("chunks/aa/two") is None
+    assert backend.last_stat("chunks/aa/two") is None
     backend.put("chunks/aa/one", [b"22"])
     other: list = []
-    t = threading.Thread(target=lambda: other.append(backend.written_stat("chunks/aa/one")))
+    t = threading.Thread(target=lambda: other.append(backend.last_stat("chunks/aa/one")))
     t.start()
     t.join()
     assert other == [None]  # another thread's put is not this one's
-    st = backend.written_stat("chunks/aa/one")
+    st = backend.last_stat("chunks/aa/one")
     assert st is not None and st.st_size == 2
     assert st.st_ino == os.stat(tmp_path / "chunks" / "aa" / "one").st_ino
-    assert backend.written_stat("chunks/aa/one") is None  # answered once
+    assert backend.last_stat("chunks/aa/one") is None  # answered once
+    mapped = backend.map("chunks/aa/one")
+    assert bytes(mapped) == b"22"
+    mapped.close()
+    assert backend.last_stat("chunks/aa/one").st_ino == st.st_ino
+
+
+def test_a_mapped_chunk_is_verified_and_stamped_from_the_readers_own_fd(tmp_path):
+    """Promotion maps each memory-tier chunk to verify it; the stamp of that verification
+    came from a walk down from the root to stat the file first (three more opens a chunk)."""
+    store = CheckpointStore(LocalBackend(tmp_path))
+    store.put_chunk("ab" + "cd" * 15, 8, [b"warm up."], "raw")  # the index, mountinfo
+    from flashckpt.store.format import codec as codecs
+
+    data = b"verified" * 512
+    h = codecs.hash_parts([data])
+    ref = store.put_chunk(h, len(data), [data], "raw")
+    store.liveness.forget(h)  # as a new process: nothing verified yet
+    raw, opens = _counted(lambda: store.map_chunk(ref))
+    assert bytes(raw) == data
+    names = [e[2][0] for e in opens]
+    assert len(names) == 4 and names[1:3] == ["chunks", h[:2]] and names[3] == h, names
+    assert store.liveness.find(h, len(data)) is not None  # verified: reusable

@@ -183,12 +183,15 @@ class Liveness:
             return ChunkRef(hash=h, size=stamp.size, codec=stamp.codec, stored_size=st.st_size)
 
     # -- stamps (local tiers) -----------------------------------------------------------------
-    def before_read(self, ref: ChunkRef) -> FileKey | None:
+    def before_read(self, ref: ChunkRef, st: os.stat_result | None = None) -> FileKey | None:
         """The key of ``ref``'s file before a verifying read (taken first: a change during or
         after the read then shows as a different key); None on remote tiers or when the file
-        cannot be stat'ed (the read reports it)."""
+        cannot be stat'ed (the read reports it). ``st``: the reader's own ``fstat`` of the file
+        it opened, taken before it reads the bytes (no walk down from the root to stat it)."""
         if self.root is None:
             return None
+        if st is not None:
+            return file_key(st)
         try:
             return file_key(safeopen.lstat_in(self.root, chunk_path(ref.hash, ref.codec)))
         except (OSError, FlashCkptError):
@@ -217,7 +220,7 @@ class Liveness:
     def added(self, ref: ChunkRef, st: os.stat_result | None = None) -> None:
         """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it. ``st``:
         the writer's ``fstat`` of the file after its rename, else it is stat'ed here."""
-        key = file_key(st) if st is not None and self.root is not None else self.before_read(ref)
+        key = self.before_read(ref, st)
         with self.mutex:
             self.index()[ref.hash] = ref
             self.quarantined.discard(ref.hash)

@@ -83,9 +83,8 @@ class CheckpointStore:
         self.liveness.writing(stored_codec)
         path = chunk_path(h, stored_codec)
         n = self.backend.put(path, stored)
-        written_stat = getattr(self.backend, "written_stat", None)
         ref = ChunkRef(hash=h, size=size, codec=stored_codec, stored_size=n)
-        self.liveness.added(ref, written_stat(path) if written_stat is not None else None)
+        self.liveness.added(ref, self._last_stat(path))
         return ref
 
     @property
@@ -166,11 +165,13 @@ class CheckpointStore:
         verified against its hash before this returns; nothing is copied. Damage (missing,
         truncated, wrong bytes, not a regular file) raises CorruptCheckpointError like
         :meth:`read_chunk`, with the chunk quarantined."""
-        seen = self.liveness.before_read(ref)
+        path = chunk_path(ref.hash, "raw")
         try:
-            mapped = self.backend.map(chunk_path(ref.hash, "raw"))  # type: ignore[attr-defined]
+            mapped = self.backend.map(path)  # type: ignore[attr-defined]
         except FileNotFoundError:
             raise _missing(ref, step, key) from None
+        # the key of the file mapped, taken before its bytes are hashed (liveness.verified)
+        seen = self.liveness.before_read(ref, self._last_stat(path))
         raw = b"" if mapped is None else mapped
         try:
             self._check(ref, raw, step=step, key=key)  # a wrong length fails here too
@@ -178,6 +179,12 @@ class CheckpointStore:
             raise self._damaged(ref, exc) from None
         self.liveness.verified(ref, seen)
         return raw
+
+    def _last_stat(self, path: str) -> Any:
+        """The backend's fstat of the file its last put or map in this thread opened at
+        ``path`` (``LocalBackend.last_stat``), or None: then the caller stats by path."""
+        last_stat = getattr(self.backend, "last_stat", None)
+        return last_stat(path) if last_stat is not None else None
 
     @staticmethod
     def _check(ref: ChunkRef, raw: Buffer, *, step: int | None, key: str | None) -> None:

@@ -103,7 +103,7 @@ class LocalBackend:
         self.recycle_bytes = 0
         self._pool = FreePool(self)
         self._stats_lock = threading.Lock()  # put() runs in several persist workers at once
-        self._put_by_thread = threading.local()  # see written_stat
+        self._by_thread = threading.local()  # see last_stat
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"checkpoint root {self.root} exists and is not a directory")
         if create:
@@ -145,15 +145,15 @@ class LocalBackend:
             raise _storage_error("write", self._abs(path), exc) from exc
         finally:
             os.close(dfd)
-        self._put_by_thread.last = (path, st)
+        self._by_thread.last = (path, st)
         return res.written
 
-    def written_stat(self, path: str) -> os.stat_result | None:
-        """The ``fstat`` after the rename of the file that this thread's last :meth:`put`
-        wrote, if that was ``path`` (a chunk's stamp, store/liveness.py, without walking down
-        from the root again to stat it); None otherwise."""
-        last = getattr(self._put_by_thread, "last", None)
-        self._put_by_thread.last = None
+    def last_stat(self, path: str) -> os.stat_result | None:
+        """The ``fstat`` of the file that this thread's last :meth:`put` (after the rename) or
+        :meth:`map` opened, if that was ``path``: a chunk's stamp (store/liveness.py) without
+        walking down from the root again to stat it. None otherwise; answered once."""
+        last = getattr(self._by_thread, "last", None)
+        self._by_thread.last = None
         return last[1] if last is not None and last[0] == path else None
 
     def open_staged(self, head: str, size: int | None = None) -> StagedFile:
@@ -292,7 +292,9 @@ class LocalBackend:
         a chunk (written once under a temporary name, renamed, unlinked)."""
         fd = self._open_read(path)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self._by_thread.last = (path, st)
+            size = st.st_size
             if size == 0:
                 return None
             return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)

@@ -85,14 +85,18 @@ def test_a_reader_opening_any_file_of_the_tier_never_ends_the_writer(mem: Path) 
     assert (mem / "chunks" / "cd" / "cd00").read_bytes() == b"w" * SIZE
 
 
-def _listings(fn) -> int:
-    """How many directory listings ``fn()`` makes in this thread."""
+def _file_events(fn) -> dict[str, int]:
+    """How many directory listings (``list``) and opens (``open``) ``fn()`` makes in this
+    thread."""
     seen: list[str] = []
     me = threading.get_ident()
 
     def hook(event: str, args: tuple) -> None:
-        if watching and threading.get_ident() == me and event in ("os.scandir", "os.listdir"):
-            seen.append(event)
+        if watching and threading.get_ident() == me:
+            if event in ("os.scandir", "os.listdir"):
+                seen.append("list")
+            elif event == "open":
+                seen.append("open")
 
     watching = False
     sys.addaudithook(hook)  # audit hooks cannot be removed: this one goes quiet after
@@ -101,13 +105,14 @@ def _listings(fn) -> int:
         fn()
     finally:
         watching = False
-    return len(seen)
+    return {"list": seen.count("list"), "open": seen.count("open")}
 
 
 def test_a_staged_chunk_takes_a_pooled_file_without_listing_the_pool(mem: Path) -> None:
     """The pool's files are listed once per process and then known: each staged chunk used to
-    list them all again (a cost per chunk that grew with the pool). A file that went away
-    behind the pool's back is skipped, and the next one of the size is taken."""
+    list them all again (a cost per chunk that grew with the pool) and walk down to them from
+    the root. A file that went away behind the pool's back is skipped, and the next one of
+    the size is taken."""
     backend = LocalBackend(mem)
     backend.recycle_bytes = 1 << 30
     paths = [f"chunks/{i:02x}/{i:02x}00" for i in range(20)]
@@ -118,6 +123,8 @@ def test_a_staged_chunk_takes_a_pooled_file_without_listing_the_pool(mem: Path) 
     assert len(pooled) == 20 and not (mem / "chunks" / "00" / "0000").exists()
     pooled[0].unlink()  # someone cleaned up behind the pool's back
 
+    (mem / "chunks" / "ee").mkdir()  # made by the first publish otherwise (two opens more)
+
     def take_ten() -> None:
         for i in range(10):
             staged = backend.open_staged(STAGING_DIR, SIZE)
@@ -125,7 +132,10 @@ def test_a_staged_chunk_takes_a_pooled_file_without_listing_the_pool(mem: Path) 
             staged.write(b"t" * SIZE)
             staged.publish(f"chunks/ee/ee{i:02d}")
 
-    assert _listings(take_ten) == 0
+    # each: the root, staging/, staging/free from staging/'s fd, the pooled file; then the
+    # publish's root, chunks/, chunks/ee; once more free/ for the file that vanished (before:
+    # free/ was walked to from the root, and the pool listed, for every chunk)
+    assert _file_events(take_ten) == {"list": 0, "open": 10 * 7 + 1}
     assert len(list((mem / FREE_DIR).iterdir())) == 9
     assert (mem / "chunks" / "ee" / "ee09").read_bytes() == b"t" * SIZE
     assert backend.drain_free() == 9 * SIZE

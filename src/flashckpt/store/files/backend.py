@@ -173,7 +173,7 @@ class LocalBackend:
             raise _storage_error("write", self._abs(head), exc) from exc
         name = f"staged.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
-            fd = self._pool.take(size, dfd, name) if size else None
+            fd = self._pool.take(size, dfd, name, head=head) if size else None
             if fd is not None:
                 return StagedFile(self, dfd, fd, head, name, mapped_size=size)
             fd = os.open(

@@ -118,6 +118,12 @@ class FreePool:
     def _count(self) -> int:
         return sum(self._index().values())
 
+    def _open_free(self, dfd: int, head: str) -> int:
+        parent, _, leaf = FREE_DIR.rpartition("/")
+        if head == parent:
+            return safeopen.open_child(dfd, leaf, self.b.root, FREE_DIR, write=True)
+        return safeopen.open_dir(self.b.root, FREE_DIR, write=True)
+
     def _index(self) -> dict[str, int]:
         if self._known is None:  # a killed writer's pool is this one's now
             self._known = {p.rpartition("/")[2]: n for p, n in self._files().items()}
@@ -133,9 +139,11 @@ class FreePool:
                 out[f"{FREE_DIR}/{name}"] = 0
         return out
 
-    def take(self, size: int, dfd: int, name: str) -> int | None:
-        """A recycled file of exactly ``size`` bytes, renamed to ``name`` in ``dfd`` and
-        opened for writing under a write lease (nobody else has it open), or None."""
+    def take(self, size: int, dfd: int, name: str, *, head: str = "") -> int | None:
+        """A recycled file of exactly ``size`` bytes, renamed to ``name`` in ``dfd`` (the
+        directory ``head``) and opened for writing under a write lease (nobody else has it
+        open), or None. When ``head`` is :data:`FREE_DIR`'s parent (a staged chunk), the pool
+        is opened from ``dfd`` instead of walking down from the root again."""
         with self._lock:
             if not self._count():
                 return None
@@ -143,7 +151,7 @@ class FreePool:
             known = self._index()
             for free in [f for f in known if f.startswith(prefix)]:
                 try:
-                    src = safeopen.open_dir(self.b.root, FREE_DIR, write=True)
+                    src = self._open_free(dfd, head)
                 except (OSError, StorageError):
                     return None
                 known.pop(free)  # renamed away below, or gone already

@@ -3,20 +3,19 @@
 One :class:`Liveness` exists per tier root per process (every :class:`CheckpointStore` on the
 same root shares it: ``store.liveness``). It knows
 
-* the chunk set of every committed manifest and every rank part, parsed once and cached
-  (manifests are immutable; the cache is keyed by name and, on local tiers, by the file's
-  inode/size/mtime, and updated by this process's commits and deletions);
+* the chunk set of every committed manifest and rank part, parsed once and cached by name
+  (and on local tiers inode/size/mtime), updated by this process's commits and deletions;
 * the chunks present in the tier (listed once, then kept up to date), so a save can reuse one;
 * the pins of saves and promotions in flight: in memory for this process, and on disk under
   ``pins/`` (:mod:`flashckpt.store.pins`) for every other process, rank and ``flashckpt gc``;
 * quarantine: a chunk found damaged is forgotten, so the next save writes it again, and its
   file is moved out of ``chunks/`` (:mod:`flashckpt.store.quarantine`);
 * stamps (local tiers): which chunks' bytes this process wrote or verified by hashing, and
-  the file's ``(st_ino, st_size, st_mtime_ns, st_ctime_ns)`` then. A chunk is reused only while
-  its file still shows that stamp: bytes changed in place (a flipped byte, a punched hole, a
-  damaged zstd frame: the size stays) change its mtime and ctime, and the next save writes it
-  again instead of naming bytes that no longer restore. Bit rot that leaves the metadata alone
-  is what the scrub finds (:mod:`flashckpt.store.scrub`).
+  their file's :data:`FileKey` then. A chunk is reused only while its file still shows that
+  stamp: bytes changed in place (a flipped byte, a punched hole, a damaged zstd frame) change
+  its mtime and ctime, and the next save writes it again. Bit rot that leaves the metadata
+  alone is what the scrub finds (:mod:`flashckpt.store.scrub`).
+* the codecs the tier's chunks were seen or written in (gc looks for a chunk's file in those).
 
 Garbage collection (:mod:`flashckpt.store.gc`) asks it what is live; nobody else deletes
 chunks. The store never starts a thread; every method here is synchronous and thread-safe.
@@ -28,15 +27,13 @@ The contract, in the order a writer uses it (a save; a promotion copying into th
         #    writes pins/<host>-<pid>-<n>.json naming the owner
     ref = win.claim(h, size)
         # 2. for every chunk the save will name, BEFORE deciding: pins h, then returns the
-        #    stored ChunkRef to reuse (present, not quarantined, its bytes written or
-        #    verified by this process since they last changed: see find) or None:
-        #    the caller must write h (store.put_chunk) before committing
+        #    stored ChunkRef to reuse (see find) or None: the caller must write h
+        #    (store.put_chunk) before committing
     store.commit(manifest, ...)           # 3. the manifest (or rank part) names the chunks
     win.committed()                       # 4. drop the pins, release the lock, remove the pin
     # or, on any failure before 4:
-    win.failed()                          # 4'. the chunks it claimed for writing become gc
-                                          #     candidates (recorded in the pin file for other
-                                          #     processes), then call gc.collect_garbage(store)
+    win.failed()                          # 4'. its claimed chunks become gc candidates (in
+                                          #     the pin file too); then gc.collect_garbage
 
 A queued promotion keeps its source step's chunks with ``pin = liveness.pin(hashes, ...)``
 (in memory and in a pin file, without the lock) and ``pin.release()`` when done or dropped.
@@ -146,7 +143,7 @@ class Liveness:
                         parsed = parse_chunk_name(name)
                         if parsed is not None:
                             known[parsed[0]] = ChunkRef(hash=parsed[0], size=-1, codec=parsed[1])
-                self.codecs.update(ref.codec for ref in known.values())
+                            self.codecs.add(parsed[1])
                 self._index = known
             return self._index
 
@@ -156,14 +153,12 @@ class Liveness:
         Local tiers: present, not quarantined, and its file (lstat through the gateway) shows
         the stamp this process recorded when it wrote the chunk or last verified its bytes by
         hashing (:meth:`added`, :meth:`verified`). A chunk without a stamp, or whose file
-        changed since, is not verified here but written again by the caller: the save holds
-        its bytes already (hashed), so writing them costs about what reading and hashing the
-        stored copy would, never reads under this mutex (every other decision of every save
-        waits on it), and replaces a damaged copy without deciding whether it is damaged.
+        changed since, is written again by the caller, which holds its bytes (hashed): that
+        costs about what reading and hashing the stored copy would, reads nothing under this
+        mutex, and replaces a damaged copy without deciding whether it is damaged.
 
         Remote tiers (fsspec, no root): present is enough. An object is replaced whole or not
-        at all (no in-place writes through the client), it has no inode or ctime to stamp,
-        and a stat per chunk would cost a request each; their reads verify every chunk."""
+        at all, has no inode or ctime to stamp, and their reads verify every chunk."""
         with self.mutex:
             ref = None if h in self.quarantined else self.index().get(h)
             if ref is None or self.root is None:
@@ -186,8 +181,7 @@ class Liveness:
     def before_read(self, ref: ChunkRef, st: os.stat_result | None = None) -> FileKey | None:
         """The key of ``ref``'s file before a verifying read (taken first: a change during or
         after the read then shows as a different key); None on remote tiers or when the file
-        cannot be stat'ed (the read reports it). ``st``: the reader's own ``fstat`` of the file
-        it opened, taken before it reads the bytes (no walk down from the root to stat it)."""
+        cannot be stat'ed (the read reports it). ``st``: the reader's own fstat, if it has one."""
         if self.root is None:
             return None
         if st is not None:
@@ -218,8 +212,7 @@ class Liveness:
             return {h: st.at for h, st in self._stamps.items()}
 
     def added(self, ref: ChunkRef, st: os.stat_result | None = None) -> None:
-        """This process just wrote ``ref`` (its bytes are the ones it hashed): stamp it. ``st``:
-        the writer's ``fstat`` of the file after its rename, else it is stat'ed here."""
+        """This process wrote ``ref`` (the bytes it hashed): stamp it (``st``: see before_read)."""
         key = self.before_read(ref, st)
         with self.mutex:
             self.index()[ref.hash] = ref
@@ -228,16 +221,14 @@ class Liveness:
                 self._stamp(ref, key)
 
     def writing(self, codec: str) -> None:
-        """A chunk is about to be written in ``codec`` (before its file exists: see
-        :meth:`chunk_paths`)."""
+        """A chunk is about to be written in ``codec`` (:meth:`chunk_paths` must name it)."""
         with self.mutex:
             self.codecs.add(codec)
 
     def chunk_paths(self, h: str) -> list[str]:
-        """The files chunk ``h`` may have in this tier, for gc to delete: one per codec a chunk
-        of this tier was listed, named by a manifest, or written in since this process opened
-        it. A file in any other codec would be an orphan of another process, which the full
-        sweep (the first collection of a process, or after a dead writer's pin) lists."""
+        """The files chunk ``h`` may have here, for gc: one per codec a chunk of this tier was
+        listed, named by a manifest, or written in. Another codec's file would be an orphan of
+        another process: the full sweep (a process's first, or after a dead pin) finds it."""
         with self.mutex:
             return [chunk_path(h, c) for c in sorted(self.codecs)]
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from flashckpt.errors import ConfigError, StorageError
 from flashckpt.store.files import removal, safeopen
 from flashckpt.store.files.directio import write_parts
+from flashckpt.store.files.fsinfo import MEMORY_FILESYSTEMS, advise_sequential, filesystem_type
 from flashckpt.store.files.limits import read_limit
 from flashckpt.store.files.oserrors import storage_error as _storage_error
 from flashckpt.store.files.removal import unlink_quiet as _unlink_quiet
@@ -259,7 +260,7 @@ class LocalBackend:
         piece = READ_PIECE if each is None else EACH_PIECE
         fd = self._open_read(path)
         try:
-            _advise_sequential(fd)
+            advise_sequential(fd)
             n = 0
             while n < len(out):
                 got = os.readv(fd, [out[n : n + piece]])
@@ -393,34 +394,3 @@ class LocalBackend:
 
 READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing
 EACH_PIECE = 256 << 10  # bytes per read() when each piece is hashed: stays in the L2 cache
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-
-
-def _advise_sequential(fd: int) -> None:
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        try:
-            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass  # advice only
-
-
-def filesystem_type(path: str | os.PathLike[str]) -> str:
-    """The type of the filesystem holding ``path`` ("tmpfs", "ext4", ...; "" when unknown),
-    from the longest mount point above it in /proc/self/mountinfo (Linux)."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, rest = left.split(), right.split()
-                if len(fields) < 5 or not rest:
-                    continue
-                mount = fields[4].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, kind = mount, rest[0]
-    except OSError:
-        return ""
-    return kind

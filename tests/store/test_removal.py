@@ -197,3 +197,17 @@ def test_a_mapped_chunk_is_verified_and_stamped_from_the_readers_own_fd(tmp_path
     names = [e[2][0] for e in opens]
     assert len(names) == 4 and names[1:3] == ["chunks", h[:2]] and names[3] == h, names
     assert store.liveness.find(h, len(data)) is not None  # verified: reusable
+
+
+def test_syncing_many_directories_opens_their_shared_parents_once(tmp_path):
+    """A promotion's commit makes the renames of every chunk directory durable; each fsync
+    walked down from the root (three opens for chunks/xx): now the root and chunks/ once."""
+    backend = LocalBackend(tmp_path)
+    dirs = [f"chunks/{i:02x}" for i in range(40)]
+    for d in dirs:
+        backend.put(f"{d}/{d[-2:]}00", [b"x"])
+    _, opens = _counted(lambda: backend.sync_dirs([*dirs, "chunks/ff", "steps"]))
+    names = [e[2][0] for e in opens]
+    # the root and chunks/ once, each chunks/xx once, and one try each for the two missing
+    assert names[:2] == [str(tmp_path), "chunks"] and len(names) == 2 + 40 + 2, names
+    assert names.count("chunks") == 1

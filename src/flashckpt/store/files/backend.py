@@ -227,8 +227,7 @@ class LocalBackend:
                 raise _storage_error("create", self._abs(rel), exc) from exc
             os.close(fd)
         if self.syncs():
-            for p in sorted(parents):
-                self._sync_dir(p)
+            self._sync_each(sorted(parents))
 
     def _open_read(self, path: str) -> int:
         try:
@@ -368,28 +367,31 @@ class LocalBackend:
         return self.fsync and not self.in_memory
 
     def sync_dirs(self, dirs: Sequence[str]) -> None:
-        if not self.syncs():
-            return
-        for d in sorted(set(dirs)):
-            self._sync_dir(d)
+        if self.syncs():
+            self._sync_each(dirs)
 
-    def _sync_dir(self, d: str) -> None:
-        rel = "" if d in ("", ".") else d
+    def _sync_each(self, dirs: Sequence[str]) -> None:
+        """fsync each directory (missing ones skipped); parents shared by several are opened
+        once (a promotion's commit syncs a directory per chunk: each a walk from the root)."""
+        walk = removal.Dirs(self.root)
         try:
-            fd = safeopen.open_dir(self.root, rel)
-        except FileNotFoundError:
-            return
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
-                raise _storage_error("sync", self.root / rel, exc) from exc
+            for d in sorted(set(dirs)):
+                rel = "" if d in ("", ".") else check_relpath(d)
+                try:
+                    fd = walk.get(rel)
+                except FileNotFoundError:
+                    continue
+                except StorageError:
+                    raise
+                except OSError as exc:
+                    raise _storage_error("sync", self._abs(d) if rel else self.root, exc) from exc
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # e.g. tmpfs dirs
+                        raise _storage_error("sync", self.root / rel, exc) from exc
         finally:
-            os.close(fd)
+            walk.close()
 
 
 READ_PIECE = 64 << 20  # bytes per read() call: large enough that syscalls cost nothing

@@ -139,6 +139,7 @@ def open_dir(
     return fd
 
 
+@_gateway
 def open_child(
     fd: int,
     part: str,

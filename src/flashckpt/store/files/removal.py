@@ -79,9 +79,10 @@ def unlink_quiet(dfd: int, name: str) -> None:
         pass
 
 
-Recycler = Callable[[int, str], int]
-"""``recycler(dir_fd, name)``: keep the file's pages instead of deleting it (a memory tier's
-pool, store/files/staged.py); its size, or -1 when not kept."""
+Recycler = Callable[[int, str, os.stat_result], int]
+"""``recycler(dir_fd, name, st)``: keep the file's pages instead of deleting it (a memory
+tier's pool, store/files/staged.py; ``st``: its lstat, already taken); its size, or -1 when
+not kept."""
 
 
 @safeopen._gateway
@@ -106,7 +107,7 @@ def remove_files(
             if not stat.S_ISREG(st.st_mode):
                 out.append(-1)
                 continue
-            kept = recycle(dfd, name) if recycle is not None else -1
+            kept = recycle(dfd, name, st) if recycle is not None else -1
             if kept >= 0:
                 out.append(kept)
                 continue

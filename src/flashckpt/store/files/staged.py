@@ -64,8 +64,11 @@ class FreePool:
         except (OSError, StorageError):
             return -1
         try:
+            st = os.stat(name, dir_fd=src, follow_symlinks=False)
             with self.recycling() as keep:
-                return keep(src, name) if keep is not None else -1
+                return keep(src, name, st) if keep is not None else -1
+        except OSError:
+            return -1
         finally:
             os.close(src)
 
@@ -75,18 +78,17 @@ class FreePool:
     @contextmanager
     def recycling(self) -> Iterator[Recycler | None]:
         """:meth:`recycle` for a batch of files (store/files/removal.py): ``keep(dir_fd,
-        name)`` moves the file ``name`` of the open directory ``dir_fd`` into the pool and
-        returns its size, or -1 (delete it); :data:`FREE_DIR` is opened once for the batch.
-        None when this backend does not pool."""
+        name, st)`` moves the file ``name`` (``st``: its lstat) of the open directory
+        ``dir_fd`` into the pool and returns its size, or -1 (delete it); :data:`FREE_DIR` is
+        opened once for the batch. None when this backend does not pool."""
         if not self._pooling():
             yield None
             return
         dst: list[int] = []
 
-        def keep(src: int, name: str) -> int:
+        def keep(src: int, name: str, st: os.stat_result) -> int:
             with self._lock:
                 try:
-                    st = os.stat(name, dir_fd=src, follow_symlinks=False)
                     used = self._count()
                     fits = used + st.st_size <= self.b.recycle_bytes
                     if not (st.st_size and fits and _reusable(st, st.st_size)):

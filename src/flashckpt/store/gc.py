@@ -136,9 +136,9 @@ def _paths(h: str) -> list[str]:
 
 
 def _delete(store: CheckpointStore, paths: list[str]) -> list[int]:
-    """Delete chunk files (or hand their pages to the backend's recycling pool: a memory tier,
-    LocalBackend.recycle); the size of each (-1 when it was not there). A local backend does
-    them in one pass (``remove_files``: each directory opened once)."""
+    """Delete chunk files; the size of each (-1 when it was not there). A local backend does
+    them in one pass (``LocalBackend.remove_files``: each directory opened once, and on a
+    memory tier the files kept in its recycling pool instead of deleted)."""
     remove = getattr(store.backend, "remove_files", None)
     if remove is not None:
         return list(remove(paths))

@@ -14,6 +14,7 @@ engine calls from one thread.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -180,7 +181,7 @@ class CheckpointStore:
         self.liveness.verified(ref, seen)
         return raw
 
-    def _last_stat(self, path: str) -> Any:
+    def _last_stat(self, path: str) -> os.stat_result | None:
         """The backend's fstat of the file its last put or map in this thread opened at
         ``path`` (``LocalBackend.last_stat``), or None: then the caller stats by path."""
         last_stat = getattr(self.backend, "last_stat", None)

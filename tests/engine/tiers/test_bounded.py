@@ -45,9 +45,11 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.open = threading.Event()
+        self.entered = threading.Event()  # a promotion is copying (and held)
         real = tiercopy.ChunkCopier._copy_one
 
         def slow(src, dst, ref, step, buf):
+            self.entered.set()
             self.open.wait(60)
             return real(src, dst, ref, step, buf)
 
@@ -63,6 +65,8 @@ def test_promotion_queue_is_bounded_and_skips_intermediate_steps(tmp_path, shm_d
     with flashckpt.Checkpointer(root, memory_tier=shm_dir, keep_memory=2, promotion=opts) as ck:
         for step in range(1, 9):
             ck.save(step, _state(step))
+            if step == 1:  # step 1 is being copied before the next ones queue: on a loaded
+                assert gate.entered.wait(60)  # host the promoter may not have picked it up yet
             assert len(ck._tiers.promoter.pending()) <= 1
             # retention plus the step being copied and the one waiting: never more
             assert len(_chunk_files(shm_dir)) <= 3 * (2 + 2)

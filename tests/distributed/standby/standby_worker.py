@@ -41,7 +41,16 @@ def event(name: str, **fields: object) -> None:
     log.flush()
 
 
-event("start", standby=standby, policy=os.sched_getscheduler(0))
+def autogroup() -> str | None:
+    """This process's scheduler group (``/autogroup-N``) where the kernel has autogroups."""
+    try:
+        return Path("/proc/self/autogroup").read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+event("start", standby=standby, policy=os.sched_getscheduler(0), sid=os.getsid(0),
+      pgid=os.getpgid(0), autogroup=autogroup())  # fmt: skip
 if standby and (out / "fail_standby").exists():
     sys.exit(3)
 if standby and (out / "slow_standby").exists():

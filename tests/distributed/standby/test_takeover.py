@@ -188,6 +188,27 @@ def test_clean_exit_ends_the_standby(tmp_path: Path) -> None:
     assert [e["pid"] for e in launch.events() if e["event"] == "done"] != [standby_pid]
 
 
+def test_the_standby_shares_the_active_runs_scheduler_group(tmp_path: Path) -> None:
+    """Regression: each member ran in a session of its own, and Linux's autogroups share the
+    CPU fairly between sessions before a task's policy counts: the standby, at ``SCHED_IDLE``,
+    still took up to half the cores, and its start-up slowed the active run's step 2.2-2.6 s
+    (benchmarks/standby_interference.py). Both now lead their own process group (the launcher
+    still ends each with one killpg) inside the launcher's session, so they share one group."""
+    launch = Launch(tmp_path, steps=6)
+    standby_pid = launch.ready_standby()["standby"][0]
+    code, log = launch.finish()
+    assert code == 0, log
+    starts = {e["pid"]: e for e in launch.events() if e["event"] == "start"}
+    spare = starts[standby_pid]
+    (active,) = [e for pid, e in starts.items() if pid != standby_pid]
+    assert spare["standby"] and not active["standby"] and spare["policy"] == os.SCHED_IDLE
+    for member in (active, spare):  # the launcher is in this test's session and group
+        assert member["pgid"] == member["pid"] != os.getpgid(0)  # killpg ends it alone
+        assert member["sid"] == os.getsid(0)
+    if Path("/proc/self/autogroup").exists():  # a kernel with autogroups: the same one
+        assert spare["autogroup"] == active["autogroup"] is not None
+
+
 def test_crash_in_the_first_resumed_step(tmp_path: Path) -> None:
     """The standby takes over and crashes in its first step: no next standby was started yet
     (it starts only after the first step), so the restart is cold, and still bitwise."""

@@ -1,12 +1,20 @@
 """The launcher's processes: one set of ranks (active or standby) started, watched, ended.
 
-Every member runs in a session of its own (``start_new_session``), so ending it ends whatever it
-started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal
+Every member leads a process group of its own (``setpgid``), so ending it ends whatever
+it started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal
 does not reach it twice. A standby member is started under ``SCHED_IDLE`` where the kernel
 allows it (its imports and model building then only use CPU the active run leaves idle) and
 gets two pipes: the launcher's ``go`` line arrives on one, it says ``ready`` on the other. Every
 member, active or standby, gets a third on which it says ``stepped`` at its first training step
 (:func:`~.role.say_stepped`).
+
+Every member stays in the launcher's *session*. Linux with ``CONFIG_SCHED_AUTOGROUP`` (the
+default of most distributions) gives each session a scheduler group of its own and shares the
+CPU fairly between groups *before* it looks at a task's policy: a standby in a session of its
+own got up to half the cores at ``SCHED_IDLE``, and its start-up after every takeover cost the
+active run's two-thread training 2.2-2.6 s on two vCPUs (``benchmarks/standby_interference.py``).
+In one session, ``SCHED_IDLE`` means idle. (A member that reads the terminal is then a
+background job: job control stops it, as it would stop ``cmd &``.)
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _idle() -> None:  # runs in the child between fork and exec
+def _own_group() -> None:  # runs in the child between fork and exec
+    """A process group of its own in the launcher's session (the module docstring; Python
+    3.10 has no ``process_group=``)."""
+    os.setpgid(0, 0)
+
+
+def _own_group_idle() -> None:  # runs in the child between fork and exec
+    _own_group()
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
@@ -160,14 +175,14 @@ class RankSet:
                     os.killpg(m.proc.pid, sig)
 
     def end(self, timeout_s: float = 10.0) -> None:
-        """SIGKILL every member's session and reap it."""
+        """SIGKILL every member's process group and reap it."""
         self.signal(signal.SIGKILL)
         for m in self.members:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 m.proc.wait(timeout=timeout_s)
             m.close_pipes()
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(m.proc.pid, signal.SIGKILL)  # what the member left in its session
+                os.killpg(m.proc.pid, signal.SIGKILL)  # what the member left in its group
 
     def go(self, seen_dead_t: float) -> bool:
         """Promote a standby set: every member gets the go line (False: one could not) and
@@ -240,9 +255,8 @@ def _start_member(
         proc = subprocess.Popen(
             list(cmd),
             env=env,
-            start_new_session=True,
             pass_fds=tuple(theirs),
-            preexec_fn=_idle if idle else None,
+            preexec_fn=_own_group_idle if idle else _own_group,
         )
     except BaseException:
         for fd in ours:

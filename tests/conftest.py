@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -96,3 +97,23 @@ def assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.fixture
 def state_equal() -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return assert_state_equal
+
+
+def _without_sys_nice() -> None:
+    """``preexec_fn``: the child may not raise a priority again, as an unprivileged user or a
+    root without ``CAP_SYS_NICE`` (a container's): the capability leaves the bounding set (root
+    keeps no more than it across ``exec``) and ``RLIMIT_NICE`` goes to 0."""
+    import ctypes
+    import resource
+
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(24, 23, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_NICE
+            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+
+
+@pytest.fixture
+def without_sys_nice() -> Callable[[], None]:
+    """A ``preexec_fn`` for a child that may not raise a priority again (see above)."""
+    return _without_sys_nice

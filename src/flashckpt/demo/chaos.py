@@ -273,14 +273,14 @@ def _launched(state_file: Path) -> dict[str, Any]:
 
 
 def _kill_active(state_file: Path) -> None:
-    """SIGKILL the process ``flashckpt run`` says is the active trainer (its whole session)."""
+    """SIGKILL the process ``flashckpt run`` says is the active trainer (its process group)."""
     for pid in _launched(state_file).get("active", []):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
 
 def _end_launcher(proc: subprocess.Popen[bytes], state_file: Path) -> None:
-    """Stop the launcher, then SIGKILL what it ran (active and standby, each its own session)."""
+    """Stop the launcher, then SIGKILL what it ran (active and standby, each its own group)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

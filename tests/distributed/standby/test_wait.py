@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,40 @@ def test_to_device_is_deferred_in_a_standby(monkeypatch: pytest.MonkeyPatch) -> 
     other = torch.nn.Linear(2, 2)
     placement.to_device(other, "meta")  # not a standby: at once
     assert other.weight.device.type == "meta" and placement.deferred() == []
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import sys
+    from flashckpt.distributed.standby import procs
+    code = (
+        "import os, json; from flashckpt.distributed.standby.wait import normal_priority; "
+        "before = os.sched_getscheduler(0); ok = normal_priority(); "
+        "print(json.dumps([before, ok, os.sched_getscheduler(0)]), flush=True)"
+    )
+    rs = procs.start_set([sys.executable, "-c", code], generation=1, nproc=1, standby=True)
+    sys.exit(rs.members[0].proc.wait())
+    """
+)
+
+
+def test_an_unprivileged_launchers_standby_trains_at_normal_priority_after_its_takeover(
+    without_sys_nice: Callable[[], None],
+) -> None:
+    """Regression: the launcher started every standby under ``SCHED_IDLE``, which only a
+    process that may raise its priority again can leave: an unprivileged launcher's standby
+    took over and trained at idle priority for good (a warning said so). Such a launcher now
+    starts it under ``SCHED_BATCH``, which the takeover leaves (a launcher that may, as in
+    test_takeover.py, still uses ``SCHED_IDLE``)."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", LAUNCHER],
+        preexec_fn=without_sys_nice,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    before, restored, after = json.loads(out.strip().splitlines()[-1])
+    assert before == os.SCHED_BATCH and restored is True and after == os.SCHED_OTHER

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,14 +77,55 @@ def test_a_thread_id_reused_after_its_thread_ended_is_never_touched() -> None:
     assert _level(me) == (os.SCHED_OTHER, 0) and p.threads == []
 
 
-def test_unprivileged_without_rlimit_nice_uses_batch_alone(monkeypatch) -> None:
-    import resource
+PROBE = """
+import json, os, threading
+from flashckpt.engine.runtime import priority as prio
+from flashckpt.engine.runtime.priority import ThreadPriority
+p = ThreadPriority()
+done = threading.Event()
+t = threading.Thread(target=lambda: (p.register(), done.wait()))
+t.start()
+while not p.threads:
+    pass
+tid = p.threads[0]
+background = [os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)]
+p.set("foreground")
+foreground = [os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)]
+done.set()
+t.join()
+try:
+    from flashckpt.engine.cpupolicy import lowest_undoable_policy
+    low = lowest_undoable_policy()
+except ImportError:  # (the code before the fix)
+    low = None
+print(json.dumps({"may": prio.may_raise_priority(), "low": low,
+                  "background": background, "foreground": foreground}))
+"""
 
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(resource, "getrlimit", lambda _r: (0, 0))
-    assert not prio.may_raise_priority()
-    monkeypatch.setattr(resource, "getrlimit", lambda _r: (20, 20))
-    assert prio.may_raise_priority()
+
+def test_a_process_that_may_not_raise_priority_again_never_lowers_it_for_good(
+    without_sys_nice: Callable[[], None],
+) -> None:
+    """Regression: whether this process may raise a priority again was read from its effective
+    uid, so a root without ``CAP_SYS_NICE`` moved its save threads to nice 10 and could not
+    bring them back while the loop waited. Probed in a real process that may not: its threads
+    get ``SCHED_BATCH`` alone and come back to normal, and a standby would start under
+    ``SCHED_BATCH``, not ``SCHED_IDLE`` (tests/distributed/standby/test_wait.py)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        preexec_fn=without_sys_nice,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    got = json.loads(out)
+    assert got["background"] == [os.SCHED_BATCH, 0] and got["foreground"] == [os.SCHED_OTHER, 0]
+    assert got["may"] is False and got["low"] == os.SCHED_BATCH
 
 
 def test_a_refused_change_turns_the_levels_off_without_an_error(monkeypatch) -> None:

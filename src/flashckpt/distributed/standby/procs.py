@@ -1,11 +1,13 @@
 """The launcher's processes: one set of ranks (active or standby) started, watched, ended.
 
-Every member leads a process group of its own (``setpgid``), so ending it ends whatever
-it started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal
-does not reach it twice. A standby member is started under ``SCHED_IDLE`` where the kernel
-allows it (its imports and model building then only use CPU the active run leaves idle) and
-gets two pipes: the launcher's ``go`` line arrives on one, it says ``ready`` on the other. Every
-member, active or standby, gets a third on which it says ``stepped`` at its first training step
+Every member leads a process group of its own (``setpgid``), so ending it ends whatever it
+started too (DataLoader workers, a shell's children) and a signal to the launcher's terminal does
+not reach it twice. A standby member is started under ``SCHED_IDLE`` (its imports and model
+building then only use CPU the active run leaves idle) where the launcher may take it back out
+of it, else under ``SCHED_BATCH``
+(:func:`~flashckpt.engine.cpupolicy.lowest_undoable_policy`), and gets two pipes: the
+launcher's ``go`` line arrives on one, it says ``ready`` on the other. Every member, active or
+standby, gets a third on which it says ``stepped`` at its first training step
 (:func:`~.role.say_stepped`).
 
 Every member stays in the launcher's *session*. Linux with ``CONFIG_SCHED_AUTOGROUP`` (the
@@ -25,10 +27,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flashckpt.distributed.standby import role as roles
+from flashckpt.engine.cpupolicy import back_to_normal, lowest_undoable_policy
 
 
 def free_port() -> int:
@@ -44,10 +47,13 @@ def _own_group() -> None:  # runs in the child between fork and exec
     os.setpgid(0, 0)
 
 
-def _own_group_idle() -> None:  # runs in the child between fork and exec
-    _own_group()
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+def _own_group_low(policy: int) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec
+        _own_group()
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+
+    return setup
 
 
 def normal_priority(pid: int) -> None:
@@ -59,12 +65,7 @@ def normal_priority(pid: int) -> None:
         return
     for tid in tids:
         with contextlib.suppress(OSError, AttributeError):
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-
-
-def idle_allowed() -> bool:
-    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
+            back_to_normal(tid)
 
 
 @dataclass
@@ -241,14 +242,15 @@ def _start_member(
     os.set_blocking(stepped_r, False)
     env[roles.ENV_STEPPED_FD] = str(stepped_w)
     ours, theirs = [stepped_r], [stepped_w]  # parent's ends, child's ends
-    idle = False
+    idle, low = False, None
     if standby:
         go_r, go_w = os.pipe()
         ready_r, ready_w = os.pipe()
         os.set_blocking(ready_r, False)
         ours += [go_w, ready_r]
         theirs += [go_r, ready_w]
-        idle = idle_allowed()
+        low = lowest_undoable_policy()
+        idle = low is not None
         lock = "writer" if nproc == 1 else f"rank-{rank}"
         env.update(roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=idle))
     try:
@@ -256,7 +258,7 @@ def _start_member(
             list(cmd),
             env=env,
             pass_fds=tuple(theirs),
-            preexec_fn=_own_group_idle if idle else _own_group,
+            preexec_fn=_own_group_low(low) if low is not None else _own_group,
         )
     except BaseException:
         for fd in ours:

@@ -14,7 +14,7 @@ the launcher only):
   holds it before it opens the root.
 * ``FLASHCKPT_STANDBY_READY_FD=<n>`` (optional): the write end of a pipe on which the standby
   writes ``ready`` once it waits (everything built and prewarmed).
-* ``FLASHCKPT_STANDBY_IDLE=1``: the launcher started it under ``SCHED_IDLE`` (or ``nice 19``);
+* ``FLASHCKPT_STANDBY_IDLE=1``: the launcher started it under ``SCHED_IDLE`` (or ``SCHED_BATCH``);
   the takeover restores normal priority.
 
 An active process (and any process not started by the launcher) has none of them. Every process

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashckpt.distributed.standby import role as roles
+from flashckpt.engine.cpupolicy import back_to_normal
 from flashckpt.errors import LockedError
 from flashckpt.store.lock import writer_holder
 
@@ -117,7 +118,8 @@ def _read_go(fd: int) -> float | None:
 
 def normal_priority() -> bool:
     """Every thread of this process back to ``SCHED_OTHER`` (the launcher started the standby
-    under ``SCHED_IDLE``, which its threads inherited). False when the kernel refused."""
+    under ``SCHED_IDLE`` or ``SCHED_BATCH``, which its threads inherited). False when the
+    kernel refused."""
     ok = True
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -125,8 +127,7 @@ def normal_priority() -> bool:
         tids = [0]
     for tid in tids:
         try:
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            back_to_normal(tid)
         except (OSError, AttributeError) as exc:
             if not isinstance(exc, ProcessLookupError):
                 ok = False

@@ -49,22 +49,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from flashckpt.engine.cpupolicy import may_raise_priority
+
 BACKGROUND_NICE = 10
 _BATCH = getattr(os, "SCHED_BATCH", None)
 _OTHER = getattr(os, "SCHED_OTHER", None)
-
-
-def may_raise_priority() -> bool:
-    """Whether this process may set a thread's nice value back to 0 after raising it."""
-    if os.geteuid() == 0:
-        return True
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    except (ImportError, AttributeError, OSError, ValueError):
-        return False
-    return soft == resource.RLIM_INFINITY or soft >= 20  # nice 0 = 20 - rlimit
 
 
 @dataclass(kw_only=True)

@@ -113,7 +113,26 @@ def _without_sys_nice() -> None:
     resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
 
 
+def _python_without_sys_nice(code: str) -> Any:
+    """Run ``python -c code`` as a child that may not raise a priority again; its last line of
+    output, parsed as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=_without_sys_nice,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.fixture
-def without_sys_nice() -> Callable[[], None]:
-    """A ``preexec_fn`` for a child that may not raise a priority again (see above)."""
-    return _without_sys_nice
+def python_without_sys_nice() -> Callable[[str], Any]:
+    """``python -c CODE`` in a child that may not raise a priority again (see above): the
+    JSON its last output line holds."""
+    return _python_without_sys_nice

@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,22 +146,12 @@ LAUNCHER = textwrap.dedent(
 
 
 def test_an_unprivileged_launchers_standby_trains_at_normal_priority_after_its_takeover(
-    without_sys_nice: Callable[[], None],
+    python_without_sys_nice: Callable[[str], Any],
 ) -> None:
     """Regression: the launcher started every standby under ``SCHED_IDLE``, which only a
     process that may raise its priority again can leave: an unprivileged launcher's standby
     took over and trained at idle priority for good (a warning said so). Such a launcher now
     starts it under ``SCHED_BATCH``, which the takeover leaves (a launcher that may, as in
     test_takeover.py, still uses ``SCHED_IDLE``)."""
-    import json
-
-    out = subprocess.run(
-        [sys.executable, "-c", LAUNCHER],
-        preexec_fn=without_sys_nice,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    before, restored, after = json.loads(out.strip().splitlines()[-1])
+    before, restored, after = python_without_sys_nice(LAUNCHER)
     assert before == os.SCHED_BATCH and restored is True and after == os.SCHED_OTHER

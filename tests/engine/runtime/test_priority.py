@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -104,26 +105,14 @@ print(json.dumps({"may": prio.may_raise_priority(), "low": low,
 
 
 def test_a_process_that_may_not_raise_priority_again_never_lowers_it_for_good(
-    without_sys_nice: Callable[[], None],
+    python_without_sys_nice: Callable[[str], Any],
 ) -> None:
     """Regression: whether this process may raise a priority again was read from its effective
     uid, so a root without ``CAP_SYS_NICE`` moved its save threads to nice 10 and could not
     bring them back while the loop waited. Probed in a real process that may not: its threads
     get ``SCHED_BATCH`` alone and come back to normal, and a standby would start under
     ``SCHED_BATCH``, not ``SCHED_IDLE`` (tests/distributed/standby/test_wait.py)."""
-    import json
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        preexec_fn=without_sys_nice,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    got = json.loads(out)
+    got = python_without_sys_nice(PROBE)
     assert got["background"] == [os.SCHED_BATCH, 0] and got["foreground"] == [os.SCHED_OTHER, 0]
     assert got["may"] is False and got["low"] == os.SCHED_BATCH
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import threading
 
-_BATCH = getattr(os, "SCHED_BATCH", None)
-_OTHER = getattr(os, "SCHED_OTHER", None)
+BATCH = getattr(os, "SCHED_BATCH", None)  # None where the policies do not exist
+OTHER = getattr(os, "SCHED_OTHER", None)
 
 
 def may_raise_priority() -> bool:
@@ -69,11 +69,11 @@ def lowest_undoable_policy() -> int | None:
     if not hasattr(os, "sched_setscheduler"):
         return None
     idle = getattr(os, "SCHED_IDLE", None)
-    return idle if idle is not None and may_raise_priority() else _BATCH
+    return idle if idle is not None and may_raise_priority() else BATCH
 
 
 def back_to_normal(tid: int) -> None:
     """Thread ``tid`` from a policy :func:`lowest_undoable_policy` gave it back to
     ``SCHED_OTHER`` (others are left alone); OSError as the kernel raises it."""
-    if os.sched_getscheduler(tid) in (getattr(os, "SCHED_IDLE", None), _BATCH):
-        os.sched_setscheduler(tid, _OTHER, os.sched_param(0))  # type: ignore[arg-type]
+    if os.sched_getscheduler(tid) in (getattr(os, "SCHED_IDLE", None), BATCH):
+        os.sched_setscheduler(tid, OTHER, os.sched_param(0))  # type: ignore[arg-type]

@@ -242,7 +242,7 @@ def _start_member(
     os.set_blocking(stepped_r, False)
     env[roles.ENV_STEPPED_FD] = str(stepped_w)
     ours, theirs = [stepped_r], [stepped_w]  # parent's ends, child's ends
-    idle, low = False, None
+    low = None  # the standby's scheduling policy
     if standby:
         go_r, go_w = os.pipe()
         ready_r, ready_w = os.pipe()
@@ -250,9 +250,10 @@ def _start_member(
         ours += [go_w, ready_r]
         theirs += [go_r, ready_w]
         low = lowest_undoable_policy()
-        idle = low is not None
         lock = "writer" if nproc == 1 else f"rank-{rank}"
-        env.update(roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=idle))
+        env.update(
+            roles.standby_env(fd=go_r, ready_fd=ready_w, lock_name=lock, idle=low is not None)
+        )
     try:
         proc = subprocess.Popen(
             list(cmd),

@@ -49,11 +49,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from flashckpt.engine.cpupolicy import may_raise_priority
+from flashckpt.engine.cpupolicy import BATCH, OTHER, may_raise_priority
 
 BACKGROUND_NICE = 10
-_BATCH = getattr(os, "SCHED_BATCH", None)
-_OTHER = getattr(os, "SCHED_OTHER", None)
 
 
 @dataclass(kw_only=True)
@@ -70,7 +68,7 @@ class ThreadPriority:
     _raised: int = 0  # waits on the background-only threads in progress (background_waited_on)
     _waits: int = 0  # waits on the save's threads in progress (waited_on)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _works: bool = _BATCH is not None and hasattr(os, "sched_setscheduler")
+    _works: bool = BATCH is not None and hasattr(os, "sched_setscheduler")
 
     def register(self) -> None:
         """Called by each background thread as it starts (a pool's ``initializer``)."""
@@ -180,7 +178,7 @@ class ThreadPriority:
         if thread is None or not thread.is_alive():
             self._forget(tid)
             return
-        policy = _BATCH if level == "background" else _OTHER
+        policy = BATCH if level == "background" else OTHER
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))  # type: ignore[arg-type]
             if self.use_nice:

@@ -20,6 +20,7 @@ from typing import Any
 
 from flashckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError, StorageError
 from flashckpt.store.files.backend import Backend, Buffer, StagedFile
+from flashckpt.store.files.staged import Pages
 from flashckpt.store.format import codec as codecs
 from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.format.names import (
@@ -301,6 +302,11 @@ class StagedChunk:
     def fill(self, views: list[Any], copy: Callable[[Any, list[Any]], object]) -> None:
         """Write ``views`` in order; a recycled file's with one ``copy(destination, views)``."""
         self._f.fill(views, copy)
+
+    def keep_pages(self) -> Pages | None:
+        """Keep a recycled file's pages mapped past :meth:`publish` (StagedFile.keep_pages)."""
+        keep = getattr(self._f, "keep_pages", None)
+        return keep() if keep is not None else None
 
     def publish(self, h: str, size: int) -> ChunkRef:
         if self._f.written != size:

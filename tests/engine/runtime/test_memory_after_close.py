@@ -76,7 +76,7 @@ def test_unfinished_promotion_keeps_the_memory_tier(
 ) -> None:
     started = threading.Event()
 
-    def stuck_copy(src: Any, dst: Any, manifest: Any, copier: Any, *, stop: Any) -> Any:
+    def stuck_copy(src: Any, dst: Any, manifest: Any, copier: Any, *, stop: Any, **kw: Any) -> Any:
         started.set()
         while not stop():
             started.wait(0.01)

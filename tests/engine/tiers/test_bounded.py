@@ -48,10 +48,10 @@ class _Gate:
         self.entered = threading.Event()  # a promotion is copying (and held)
         real = tiercopy.ChunkCopier._copy_one
 
-        def slow(src, dst, ref, step, buf):
+        def slow(*args):
             self.entered.set()
             self.open.wait(60)
-            return real(src, dst, ref, step, buf)
+            return real(*args)
 
         monkeypatch.setattr(tiercopy.ChunkCopier, "_copy_one", staticmethod(slow))
 

@@ -277,6 +277,9 @@ class SavePath:
         """Runs when a save is durable or failed: journal, retention, gc, error bookkeeping.
         Everything it needs comes from ``job`` (the next save may already have started)."""
         exc = failure(handle.durable)
+        fresh = job.take_fresh()  # the staged pages it kept mapped: for the promotion
+        if exc is not None or self.dist is not None:  # (distributed: its commit promotes)
+            fresh.close()
         if exc is not None:
             self.inflight.failed(handle, exc)
             self.journal.append("save_failed", step=handle.step, error=str(exc))
@@ -293,7 +296,7 @@ class SavePath:
         promotion = None
         if self.dist is None:  # distributed: rank 0 retains inside the commit
             later = not self.options.async_save
-            promotion = self.after(handle.step, tier, job.manifest, later=later)
+            promotion = self.after(handle.step, tier, job.manifest, later=later, fresh=fresh)
         # the save's cost to training runs until its promotion ended too (engine/runtime/meter.py)
         until = promotion.done if promotion is not None else None
         self.meter.durable(blocking_s=s.blocking_s, background_s=s.background_s, until=until)

@@ -12,8 +12,11 @@ steps.
 The helpers are save threads: they register with the save's priority (``thread_start``), so they
 run at the background level beside training and at full speed while waited on, like the stager.
 A copy is numpy's (``np.copyto``, ``np.concatenate``), which releases the GIL: the parts do run
-at once. Measured on the 2-core VM (dispatch loop, 256 MiB in 49 chunks): see BENCHMARKS.md,
-"What a save costs the loop".
+at once. Not ``Tensor.copy_``: from a background thread torch starts an intra-op thread team of
+its own that fights the training thread's for the cores (3-40x slower and erratic on a busy
+host). All the pieces of a chunk go in one call (a pack of small tensors: 1 us per call).
+Measured on the 2-core VM (dispatch loop, 256 MiB in 49 chunks): see BENCHMARKS.md, "What a
+save costs the loop".
 """
 
 from __future__ import annotations

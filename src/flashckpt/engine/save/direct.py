@@ -23,6 +23,7 @@ import numpy as np
 
 from flashckpt.engine.save.context import SaveContext
 from flashckpt.engine.save.layout import ChunkPlan
+from flashckpt.engine.tiers.tiercopy import Fresh
 from flashckpt.errors import SaveError
 from flashckpt.state.capture import Captured
 from flashckpt.store.format import codec as codecs
@@ -59,6 +60,9 @@ class DirectStager:
         self.store: CheckpointStore = ctx.store
         self.hints = ctx.hints
         self._reuse, self._landed = reuse, landed
+        # the published chunks copied into recycled files, their pages still mapped: the
+        # step's promotion writes them to the disk as they are (engine/tiers/tiercopy.py)
+        self._fresh = Fresh()
         self._deferred: list[Copied] = []
         self._lock = threading.Lock()
         self._copy = ctx.copier.copy
@@ -91,6 +95,12 @@ class DirectStager:
             raise
         self.hints[key] = True
 
+    def take_fresh(self) -> Fresh:
+        """The pages kept mapped so far (the caller closes them or hands them on)."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, Fresh()
+        return fresh
+
     def take_deferred(self) -> list[Copied]:
         """The copies still to be hashed and named, for the persist workers (staging ended)."""
         with self._lock:
@@ -117,6 +127,16 @@ class DirectStager:
             raise
 
     def _publish(self, h: str, chunk: ChunkPlan, staged: StagedChunk) -> None:
-        ref = staged.publish(h, chunk.size)
+        pages = staged.keep_pages()
+        try:
+            ref = staged.publish(h, chunk.size)
+        except BaseException:
+            if pages is not None:
+                pages.close()
+            raise
         self._landed(h, ref)
+        if pages is not None:
+            with self._lock:
+                fresh = self._fresh
+            fresh.add(h, pages)
         self.store.backend.sync_dirs(self.store.chunk_dirs([h]))

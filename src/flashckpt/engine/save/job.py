@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from flashckpt.engine.save.layout import ChunkPlan, joined
 from flashckpt.engine.save.ledger import ChunkLedger
 from flashckpt.engine.save.manifests import Draft, draft, job_manifest
 from flashckpt.engine.save.staging import StagingPool
+from flashckpt.engine.tiers.tiercopy import Fresh
 from flashckpt.errors import FlashCkptError, SaveError
 from flashckpt.state.capture import Captured
 from flashckpt.store.format import codec as codecs
@@ -98,6 +100,11 @@ class SaveJob:
         self.manifest: Manifest | None = None  # this rank's committed manifest, once durable
         self._draft: Draft | None = None  # made while the chunks are written (manifests.py)
         self.t0 = time.perf_counter()
+
+    def take_fresh(self) -> Fresh:
+        """The memory-tier chunks this save staged, still mapped (engine/save/direct.py): the
+        caller hands them to the step's promotion or closes them."""
+        return self._direct.take_fresh() if self._direct is not None else Fresh()
 
     @property
     def pinned_hashes(self) -> set[str]:
@@ -176,11 +183,8 @@ class SaveJob:
         slot = self._acquire(chunk.size)
         try:
             buf = pool.view(slot, chunk.size).numpy()
-            # numpy's memcpy, not Tensor.copy_: from this background thread torch would start
-            # its own intra-op thread team and fight the training thread's for the cores
-            # (measured 3-40x slower and erratic on a busy host); all the pieces in one call (a
-            # pack of small tensors: one call per piece cost 1 us each); on every core while
-            # the loop waits for it (engine/save/copier.py)
+            # numpy's memcpy of all the pieces at once, split across the cores while the loop
+            # waits for it (not Tensor.copy_'s thread team: engine/save/copier.py says why)
             self.ctx.copier.copy(buf, views)
         except BaseException:
             pool.release(slot)
@@ -372,10 +376,9 @@ class SaveJob:
         if self._direct is not None:
             self._direct.abort_deferred()
         for f in self._pending:
-            try:
+            with suppress(BaseException):
                 f.result()
-            except BaseException:
-                pass
+        self.take_fresh().close()  # no worker adds to it any more
 
     def agree_failure(self, exc: BaseException) -> BaseException:
         """The error this save fails with (single rank: its own)."""

@@ -21,6 +21,7 @@ from flashckpt.errors import FlashCkptError
 if TYPE_CHECKING:
     from flashckpt.engine.tiers.build import Tier
     from flashckpt.engine.tiers.promote import PromoteTask
+    from flashckpt.engine.tiers.tiercopy import Fresh
     from flashckpt.engine.tiers.tierset import TierSet
     from flashckpt.store.format.manifest import Manifest
 
@@ -36,16 +37,26 @@ class AfterSave:
         self._pending: Future[None] | None = None  # a synchronous save's retention, running
 
     def __call__(
-        self, step: int, tier: Tier, manifest: Manifest | None = None, *, later: bool = False
+        self,
+        step: int,
+        tier: Tier,
+        manifest: Manifest | None = None,
+        *,
+        later: bool = False,
+        fresh: Fresh | None = None,
     ) -> PromoteTask | None:
         """Queue ``step``'s promotion (``manifest`` None: read back), then apply ``tier``'s
         retention: now (on the staging thread already), or ``later`` on it. Returns the
-        promotion queued, if any."""
+        promotion queued, if any. ``fresh`` (the pages the save kept mapped) goes to that
+        promotion, or is closed here when none was queued."""
         task = None
         try:
-            task = self._tiers.committed(step, tier, manifest)
+            task = self._tiers.committed(step, tier, manifest, fresh=fresh)
         except FlashCkptError as exc:
             log.warning("promotion after step %d not queued: %s", step, exc)
+        finally:
+            if task is None and fresh is not None:
+                fresh.close()
         if later:
             self._pending = self._stager.submit(self._retain, step, tier)
         else:

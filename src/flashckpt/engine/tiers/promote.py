@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from flashckpt.engine.tiers.tiercopy import ChunkCopier, PromotionStopped, copy_step, started
+from flashckpt.engine.tiers.tiercopy import ChunkCopier, Fresh, PromotionStopped, copy_step, started
 from flashckpt.errors import ConfigError, CorruptCheckpointError
 from flashckpt.journal import Journal
 from flashckpt.store.format.manifest import Manifest
@@ -120,6 +120,8 @@ class PromoteTask:
     queued_t: float
     pin: Pin  # the source step's chunks, until the task ends or is dropped
     done: threading.Event = field(default_factory=threading.Event)  # ended, or dropped
+    # the pages of the chunks its save just wrote, still mapped; closed when the task ends
+    fresh: Fresh | None = None
 
 
 class Promoter:
@@ -225,6 +227,8 @@ class Promoter:
         self._release(task)
 
     def _release(self, task: PromoteTask) -> None:
+        if task.fresh is not None:
+            task.fresh.close()
         try:
             self._release_cb(task)
         except Exception as exc:  # never let the promotion thread die on it
@@ -329,7 +333,9 @@ class Promoter:
                     return
                 t0 = time.perf_counter()
                 stop = lambda: self._stopping  # noqa: E731
-                nbytes, nchunks = copy_step(task.src, dst, task.manifest, self._copier, stop=stop)
+                nbytes, nchunks = copy_step(
+                    task.src, dst, task.manifest, self._copier, stop=stop, fresh=task.fresh
+                )
             except PromotionStopped:
                 self.journal.append(
                     "promote_abandoned", step=task.step, src=task.src.name, reason="closed"

@@ -11,7 +11,12 @@ fsync or request latency, not bandwidth, bounds a sequential copy, so several ru
 
 From a memory tier a chunk is mapped where it rests, verified there, and its pages are handed
 to the destination's write as they are (the disk tier writes them with O_DIRECT): one read to
-verify, no copy. From other tiers each worker copies raw chunks through a page-aligned buffer
+verify, no copy. A chunk the save has just staged into a recycled file of the memory tier is
+not even read: the save kept that file's mapping (:class:`Fresh`), and the copy writes those
+pages, whose hash was computed from them, as they are. The recycling pool's write lease keeps
+them from being refilled meanwhile (store/files/staged.py).
+
+From other tiers each worker copies raw chunks through a page-aligned buffer
 kept from step to step, so the disk tier can still write it with O_DIRECT and no chunk-sized
 ``bytes`` is allocated (and its pages faulted in) per chunk; those buffers cost ``workers`` x
 the largest chunk of host memory until the Checkpointer closes.
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashckpt.errors import FlashCkptError
 from flashckpt.store.files.directio import aligned
+from flashckpt.store.files.staged import Pages
 from flashckpt.store.format.manifest import ChunkRef, Manifest
 from flashckpt.store.gc import collect_garbage
 from flashckpt.store.store import maps_chunks
@@ -40,6 +46,42 @@ if TYPE_CHECKING:
 
 class PromotionStopped(FlashCkptError):
     """The promoter is stopping (close()): the copy ended between two chunks."""
+
+
+class Fresh:
+    """The chunks one save has just written into a memory tier, with their pages still mapped
+    (:meth:`~flashckpt.store.store.StagedChunk.keep_pages`), by hash. Their hash was computed
+    from those very pages, so promotion writes them to the slower tier as they are, without
+    mapping the file and hashing it a second time. The save job holds it until the step's
+    promotion task takes it (:class:`~flashckpt.engine.tiers.promote.PromoteTask`); whoever
+    holds it last closes it, and a closed one keeps nothing added later."""
+
+    def __init__(self) -> None:
+        self._pages: dict[str, Pages] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def add(self, h: str, pages: Pages) -> None:
+        with self._lock:
+            if not self._closed and h not in self._pages:
+                self._pages[h] = pages
+                return
+        pages.close()
+
+    def get(self, h: str) -> Any:
+        """The chunk's bytes, or None when this save did not map them."""
+        with self._lock:
+            pages = self._pages.get(h)
+        return None if pages is None else pages.buffer
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def close(self) -> None:
+        with self._lock:
+            pages, self._pages, self._closed = self._pages, {}, True
+        for p in pages.values():
+            p.close()
 
 
 def _never() -> bool:
@@ -73,10 +115,11 @@ class ChunkCopier:
         refs: list[ChunkRef],
         step: int,
         stop: Callable[[], bool] = _never,
+        fresh: Fresh | None = None,
     ) -> list[ChunkRef]:
-        """Copy ``refs`` from ``src`` to ``dst``; their new refs, in order. The first error
-        (or ``stop()`` turning True) stops the workers from starting more chunks and is raised
-        once all have stopped."""
+        """Copy ``refs`` from ``src`` to ``dst``; their new refs, in order (``fresh``: chunks
+        whose pages the save still maps). The first error (or ``stop()`` turning True) stops
+        the workers from starting more chunks and is raised once all have stopped."""
         results: list[ChunkRef | None] = [None] * len(refs)
         errors: list[BaseException] = []
         todo = iter(range(len(refs)))
@@ -92,7 +135,7 @@ class ChunkCopier:
                         i = None if errors else next(todo, None)
                     if i is None:
                         return
-                    results[i] = self._copy_one(src, dst, refs[i], step, buf)
+                    results[i] = self._copy_one(src, dst, refs[i], step, buf, fresh)
             except BaseException as exc:
                 with self._lock:
                     errors.append(exc)
@@ -122,8 +165,12 @@ class ChunkCopier:
             return self._spare.pop() if self._spare else _Buffer()
 
     @staticmethod
-    def _copy_one(src: Tier, dst: Tier, ref: ChunkRef, step: int, buf: _Buffer) -> ChunkRef:
-        raw: Any
+    def _copy_one(
+        src: Tier, dst: Tier, ref: ChunkRef, step: int, buf: _Buffer, fresh: Fresh | None
+    ) -> ChunkRef:
+        raw: Any = fresh.get(ref.hash) if fresh is not None and ref.codec == "raw" else None
+        if raw is not None:  # just staged and hashed from these pages: written as they are
+            return dst.store.put_chunk(ref.hash, ref.size, [raw], ref.codec)
         if ref.codec == "raw" and maps_chunks(src.store):
             # a memory tier: write its pages as they are (mapped and verified; the disk tier's
             # O_DIRECT write takes them without a copy through a buffer)
@@ -160,8 +207,10 @@ def copy_step(
     copier: ChunkCopier,
     *,
     stop: Callable[[], bool] = _never,
+    fresh: Fresh | None = None,
 ) -> tuple[int, int]:
-    """Copy the chunks ``dst`` lacks, then the manifest. Returns (bytes copied, chunks copied)."""
+    """Copy the chunks ``dst`` lacks, then the manifest (``fresh``: the pages of chunks the
+    save just wrote to ``src``, :class:`Fresh`). Returns (bytes copied, chunks copied)."""
     win = dst.store.liveness.open_window(kind="promote", step=manifest.step)
     try:
         refs: dict[str, ChunkRef] = {}
@@ -176,7 +225,7 @@ def copy_step(
                 refs[ref.hash] = dataclasses.replace(
                     ref, codec=have.codec, stored_size=max(have.stored_size, 0)
                 )
-        for new in copier.copy(src, dst, list(missing.values()), manifest.step, stop):
+        for new in copier.copy(src, dst, list(missing.values()), manifest.step, stop, fresh):
             refs[new.hash] = new
         copy = dataclasses.replace(manifest, chunks=[refs[r.hash] for r in manifest.chunks])
         dst.store.commit(copy, chunk_dirs=dst.store.chunk_dirs(list(missing)))

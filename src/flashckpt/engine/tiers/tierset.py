@@ -25,6 +25,7 @@ from flashckpt.engine.tiers import identity as tierid
 from flashckpt.engine.tiers.build import Tier, release_locks
 from flashckpt.engine.tiers.config import CONFIG_NAME, public_url
 from flashckpt.engine.tiers.promote import Promoter, PromoteTask, Promotion
+from flashckpt.engine.tiers.tiercopy import Fresh
 from flashckpt.errors import (
     CorruptCheckpointError,
     FlashCkptError,
@@ -142,11 +143,19 @@ class TierSet:
         return nxt
 
     def committed(
-        self, step: int, tier: Tier, manifest: Manifest | None = None, *, force: bool = False
+        self,
+        step: int,
+        tier: Tier,
+        manifest: Manifest | None = None,
+        *,
+        force: bool = False,
+        fresh: Fresh | None = None,
     ) -> PromoteTask | None:
         """A step is durable in ``tier``: queue its promotion to the slower tiers (from the
         fastest tier, only every ``Promotion.every``-th step unless ``force``); returns the
-        task queued (its ``done`` is set when it ended), None when nothing was."""
+        task queued (its ``done`` is set when it ended), None when nothing was. The task takes
+        ``fresh`` (the pages the save kept mapped) and closes it when it ends; when no task is
+        queued, the caller still holds it."""
         slower = self.tiers[self.tiers.index(tier) + 1 :]
         if not slower or tier.node_local:
             return None
@@ -155,7 +164,7 @@ class TierSet:
         m = manifest if manifest is not None else tier.store.load_manifest(step)
         pin = tier.store.liveness.pin(m.chunk_hashes(), kind="promote", step=step)
         task = PromoteTask(
-            step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time(), pin=pin
+            step=step, src=tier, manifest=m, dsts=slower, queued_t=time.time(), pin=pin, fresh=fresh
         )
         self.promoter.submit(task)
         return task

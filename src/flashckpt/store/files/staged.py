@@ -213,6 +213,18 @@ class StagedFile:
             raise StorageError(f"{self.name} is not a mapped recycled file (internal)")
         return self._dst[: self.written]
 
+    def keep_pages(self) -> Pages | None:
+        """Keep this recycled file's mapping past :meth:`publish`: the pages of the chunk as
+        written, for a copy to a slower tier without mapping and reading the file again
+        (engine/tiers/tiercopy.py). None when the file is not mapped. The caller closes them.
+        While they are mapped the file stays open for writing, so its write lease cannot be
+        taken: the pool never refills these pages under them (:func:`_open_recycled`)."""
+        if self._map is None:
+            return None
+        pages = Pages(self._map, self.written)
+        self._map = self._dst = None
+        return pages
+
     def write(self, buf: Buffer) -> None:
         mv = memoryview(buf).cast("B")
         if self._dst is not None:  # numpy's copy releases the GIL (the training thread runs on)
@@ -298,6 +310,28 @@ class StagedFile:
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1
+
+
+class Pages:
+    """The mapped pages of one published chunk (:meth:`StagedFile.keep_pages`): ``buffer`` is
+    its ``size`` bytes (page-aligned, so a disk tier writes them with O_DIRECT as they are).
+    :meth:`close` unmaps them (idempotent; a view still alive keeps them until it dies)."""
+
+    def __init__(self, m: mmap.mmap, size: int) -> None:
+        self._map: mmap.mmap | None = m
+        self.size = size
+
+    @property
+    def buffer(self) -> Buffer:
+        if self._map is None:
+            raise StorageError("the pages of a chunk were used after they were closed (internal)")
+        return self._map if len(self._map) == self.size else memoryview(self._map)[: self.size]
+
+    def close(self) -> None:
+        m, self._map = self._map, None
+        if m is not None:
+            with suppress(BufferError):
+                m.close()
 
 
 def _open_recycled(dfd: int, name: str, size: int) -> int | None:

@@ -288,9 +288,13 @@ class SavePath:
         s = handle.stats
         self.last_step = handle.step
         tier = job.tier if job.tier is not None else self.tiers.fastest
-        if job.ctx.direct:  # the chunks gc frees in this tier may be reused by the next save
-            backend = tier.store.backend
-            if hasattr(backend, "recycle_bytes"):
+        # the chunk files gc frees are written over by the next save (store/files/staged.py
+        # FreePool): the memory tier's once a save staged into it, a disk's in one process
+        # (the ranks of a job share its files)
+        for t in self.tiers.tiers:
+            backend = t.store.backend
+            pooled = job.ctx.direct and t is tier if t.name == "memory" else self.dist is None
+            if pooled and hasattr(backend, "recycle_bytes"):
                 backend.recycle_bytes = max(backend.recycle_bytes, s.total_bytes)
         self.journal.append("durable", tier=tier.name, **s.durable_fields())
         promotion = None

@@ -296,7 +296,8 @@ class TierSet:
             stopped = self.promoter.stop()
             if stopped:
                 self._trim(self.fastest)
-                _drain_recycled(self.fastest)
+                for tier in self.tiers:
+                    _drain_recycled(tier)
                 release_locks(self.tiers)
             else:
                 self.journal.append("promote_stuck", reason="promoter did not stop at close")
@@ -356,8 +357,8 @@ class TierSet:
 
 
 def _drain_recycled(tier: Tier) -> None:
-    """The memory tier's recycled chunk files (store/files/staged.py FreePool) are
-    no checkpoint: a clean close deletes them."""
+    """A tier's recycled chunk files (store/files/staged.py FreePool) are no checkpoint: a
+    clean close deletes them."""
     drain = getattr(tier.store.backend, "drain_free", None)
     if drain is None:
         return

@@ -117,6 +117,21 @@ class LocalBackend:
         return self.root / check_relpath(path)
 
     def put(self, path: str, parts: Sequence[Buffer]) -> int:
+        """Write ``path`` (a temporary name, fsync, rename). Into a recycled file of the same
+        size when the pool holds one (:meth:`recycle`): no inode or block is allocated, and
+        ``fdatasync`` suffices. A disk that is full (``ENOSPC``) gets the pool's files back
+        once, and the write is tried again."""
+        try:
+            return self._put(path, parts)
+        except StorageError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+                raise
+            if self._pool.drain() <= 0:
+                raise
+            return self._put(path, parts)
+
+    def _put(self, path: str, parts: Sequence[Buffer]) -> int:
         head, _, name = check_relpath(path).rpartition("/")
         tmp = f"{name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
@@ -126,17 +141,22 @@ class LocalBackend:
         except OSError as exc:
             raise _storage_error("write", self._abs(path), exc) from exc
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd
-            )
+            fd = None
+            if self.recycle_bytes:
+                size = sum(memoryview(p).nbytes for p in parts)
+                fd = self._pool.take(size, dfd, tmp, head=head)
+            recycled = fd is not None
+            if fd is None:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
             try:
                 res = write_parts(fd, parts, direct=self.direct_io)
                 with self._stats_lock:
                     if res.direct_refused:
                         self.direct_io = False  # this filesystem has no O_DIRECT
                     self.direct_bytes += res.direct_bytes
-                if self.syncs():
-                    os.fsync(fd)
+                if self.syncs():  # a recycled file's size and blocks are durable already
+                    os.fdatasync(fd) if recycled else os.fsync(fd)
                 safeopen.replace_in(dfd, tmp, name)  # replaces a planted link, never follows it
                 st = os.fstat(fd)
             finally:
@@ -187,12 +207,12 @@ class LocalBackend:
 
     # -- the recycling pool (store/files/staged.py) ---------------------------------------
     def recycle(self, path: str) -> int:
-        """Keep the chunk file ``path``'s pages for a later staged write instead of deleting
-        it (a memory tier; :meth:`FreePool.recycle`); its size, or -1 when not kept."""
+        """Keep the chunk file ``path`` for a later write of the same size instead of deleting
+        it (:meth:`FreePool.recycle`); its size, or -1 when not kept."""
         return self._pool.recycle(path)
 
     def remove_files(self, paths: Sequence[str]) -> builtins.list[int]:
-        """Delete (a memory tier: recycle, :meth:`recycle`) each of ``paths``; the size of each,
+        """Delete (or recycle, :meth:`recycle`) each of ``paths``; the size of each,
         -1 when it was not removed (missing, not a regular file, or not sizable). Each
         directory is opened once (store/files/removal.py)."""
         try:

@@ -100,3 +100,28 @@ def test_a_full_disk_with_an_empty_pool_still_fails_clearly(
     with pytest.raises(flashckpt.StorageError, match="No space left"):
         b.put("chunks/ef/ef00", [b"e" * SIZE])
     assert not list((tmp_path / "root" / "chunks" / "ef").iterdir())  # no temporary left
+
+
+def test_a_filesystem_without_leases_pools_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing proves a file unused where the filesystem grants no lease (NFS): the first
+    refusal ends pooling for the backend, and freed files are deleted as before."""
+    from flashckpt.store.files import staged
+
+    b = LocalBackend(tmp_path / "root")
+    b.recycle_bytes = 1 << 30
+    b.put("chunks/ab/ab00", [b"a" * SIZE])
+    assert b.recycle("chunks/ab/ab00") == SIZE
+    real = staged.fcntl.fcntl
+
+    def fcntl(fd: int, cmd: int, arg: int = 0) -> object:
+        if cmd == staged.fcntl.F_SETLEASE:
+            raise OSError(errno.EINVAL, "Invalid argument (no leases here)")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(staged.fcntl, "fcntl", fcntl)
+    b.put("chunks/cd/cd00", [b"c" * SIZE])
+    assert (tmp_path / "root" / "chunks" / "cd" / "cd00").read_bytes() == b"c" * SIZE
+    assert b.recycle("chunks/cd/cd00") == -1  # deleted by its caller, not kept
+    assert not any((tmp_path / "root" / FREE_DIR).iterdir())

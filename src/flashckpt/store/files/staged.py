@@ -46,6 +46,7 @@ class FreePool:
         # FREE_DIR's files, name -> size: listed once (None: not yet), then kept up to date
         self._known: dict[str, int] | None = None
         self._lock = threading.Lock()
+        self._no_leases = False  # the filesystem refused a lease: nothing is pooled
 
     def recycle(self, path: str) -> int:
         """Instead of deleting the chunk file ``path``, keep it for a later write of the same
@@ -75,7 +76,7 @@ class FreePool:
             os.close(src)
 
     def _pooling(self) -> bool:
-        return self.b.recycle_bytes > 0
+        return self.b.recycle_bytes > 0 and not self._no_leases
 
     @contextmanager
     def recycling(self) -> Iterator[Recycler | None]:
@@ -165,7 +166,11 @@ class FreePool:
                     continue  # taken meanwhile
                 finally:
                     os.close(src)
-                fd = _open_recycled(dfd, name, size)
+                try:
+                    fd = _open_recycled(dfd, name, size)
+                except _NoLeases:  # (NFS, say) nothing proves a file unused: pool nothing
+                    self._no_leases = True
+                    fd = None
                 if fd is not None:
                     return fd
                 unlink_quiet(dfd, name)  # not ours to reuse after all: it goes
@@ -336,10 +341,14 @@ class Pages:
                 m.close()
 
 
+class _NoLeases(Exception):
+    """The filesystem does not grant leases (EINVAL, ENOSYS, ENOLCK: NFS and others)."""
+
+
 def _open_recycled(dfd: int, name: str, size: int) -> int | None:
     """Open the recycled file ``name`` for writing when it is still this user's regular file
     of ``size`` bytes with one link, and a write lease shows nobody else has it open (given
-    back at once: module docstring)."""
+    back at once: module docstring). Raises :class:`_NoLeases` where no lease can be had."""
     try:
         fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dfd)
     except OSError:
@@ -349,8 +358,10 @@ def _open_recycled(dfd: int, name: str, size: int) -> int | None:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
             return fd
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOLCK):
+            os.close(fd)
+            raise _NoLeases from exc
     os.close(fd)
     return None
 

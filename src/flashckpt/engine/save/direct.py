@@ -121,13 +121,17 @@ class DirectStager:
                 c.staged.abort()
                 self.hints[c.key] = False
                 return
-            self._publish(h, c.chunk, c.staged)
+            self._publish(h, c.chunk, c.staged, hashed_here=True)
         except BaseException:
             c.staged.abort()
             raise
 
-    def _publish(self, h: str, chunk: ChunkPlan, staged: StagedChunk) -> None:
-        pages = staged.keep_pages()
+    def _publish(
+        self, h: str, chunk: ChunkPlan, staged: StagedChunk, *, hashed_here: bool = False
+    ) -> None:
+        """Name ``staged`` ``h``. Its pages are kept for the promotion only when ``h`` was
+        computed from them (``hashed_here``), not from the live tensors before the copy."""
+        pages = staged.keep_pages() if hashed_here else None
         try:
             ref = staged.publish(h, chunk.size)
         except BaseException:

@@ -125,3 +125,36 @@ def test_a_filesystem_without_leases_pools_nothing(
     assert (tmp_path / "root" / "chunks" / "cd" / "cd00").read_bytes() == b"c" * SIZE
     assert b.recycle("chunks/cd/cd00") == -1  # deleted by its caller, not kept
     assert not any((tmp_path / "root" / FREE_DIR).iterdir())
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "dir", "foreign", "wrong_size"])
+def test_a_planted_pool_entry_is_never_written_through(tmp_path: Path, kind: str) -> None:
+    """Whatever sits in ``staging/free/`` under a pooled file's name (the disk root is a
+    directory other tools and users can reach): a write never goes through it into another
+    file, is never lost, and the entry is not used."""
+    root = tmp_path / "root"
+    b = LocalBackend(root)
+    b.recycle_bytes = 1 << 30
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"o" * SIZE)
+    free = root / FREE_DIR
+    free.mkdir(parents=True)
+    planted = free / f"{SIZE}-1-1.free"
+    if kind == "symlink":
+        planted.symlink_to(outside)
+    elif kind == "hardlink":
+        os.link(outside, planted)
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "dir":
+        planted.mkdir()
+    elif kind == "foreign":
+        planted.write_bytes(b"f" * SIZE)
+        os.chown(planted, 65534, 65534)
+    else:
+        planted.write_bytes(b"w" * (SIZE + 1))
+    b.put("chunks/ab/ab00", [b"n" * SIZE])
+    assert (root / "chunks" / "ab" / "ab00").read_bytes() == b"n" * SIZE
+    assert outside.read_bytes() == b"o" * SIZE
+    assert os.stat(root / "chunks" / "ab" / "ab00").st_nlink == 1
+    assert os.listdir(root / "chunks" / "ab") == ["ab00"]  # nothing left under a temp name

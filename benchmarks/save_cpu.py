@@ -21,17 +21,12 @@ import os
 import subprocess
 import sys
 
-CHILD = r"""
-import json, resource, shutil, statistics, sys, tempfile
-from pathlib import Path
-import torch, flashckpt
-from flashckpt.cli.bench import cost
-torch.set_num_threads(1)
-memory, saves = sys.argv[1] == "memory", int(sys.argv[2])
-model, opt = cost._state(256 << 20, 96)
-work = cost._work("dispatch")
-root = Path(tempfile.mkdtemp(prefix="fc-savecpu-"))
-mem = Path("/dev/shm") / (root.name + "-m") if memory else None
+from save_syscalls import SETUP  # the child's state and loop (this directory is on sys.path)
+
+CHILD = (
+    SETUP
+    + r"""
+import json, resource, statistics
 ck = flashckpt.Checkpointer(root, async_save=True, keep=2, memory_tier=mem)
 def cpu(who):
     r = resource.getrusage(who)
@@ -52,11 +47,12 @@ print(json.dumps({"background_ms": ((p1 - p0) - (m1 - m0)) / saves * 1e3,
 shutil.rmtree(root, ignore_errors=True)
 if mem: shutil.rmtree(mem, ignore_errors=True)
 """
+)
 
 
 def _run(tier: str, saves: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, tier, str(saves)],
+        [sys.executable, "-c", CHILD, "1" if tier == "memory" else "0", str(saves)],
         check=True,
         capture_output=True,
         text=True,

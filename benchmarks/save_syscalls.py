@@ -21,7 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHILD = r"""
+# loop-cost's state and dispatch loop in a child process (argv: "1" for a memory tier, saves);
+# benchmarks/save_cpu.py starts its children with it too
+SETUP = r"""
 import sys, tempfile, shutil
 from pathlib import Path
 import torch, flashckpt
@@ -30,8 +32,12 @@ torch.set_num_threads(1)
 memory, saves = sys.argv[1] == "1", int(sys.argv[2])
 model, opt = cost._state(256 << 20, 96)
 work = cost._work("dispatch")
-root = Path(tempfile.mkdtemp(prefix="fc-syscalls-"))
+root = Path(tempfile.mkdtemp(prefix="fc-bench-"))
 mem = Path("/dev/shm") / (root.name + "-m") if memory else None
+"""
+CHILD = (
+    SETUP
+    + r"""
 ck = flashckpt.Checkpointer(root, async_save=True, keep=2, memory_tier=mem) if saves else None
 for s in range(1, 10 * max(saves, 1) + 1):
     work(); opt.step()
@@ -42,6 +48,7 @@ if ck is not None:
 shutil.rmtree(root, ignore_errors=True)
 if mem: shutil.rmtree(mem, ignore_errors=True)
 """
+)
 
 
 def _counts(memory: bool, saves: int) -> dict[str, int]:

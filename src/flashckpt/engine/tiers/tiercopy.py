@@ -74,9 +74,6 @@ class Fresh:
             pages = self._pages.get(h)
         return None if pages is None else pages.buffer
 
-    def __len__(self) -> int:
-        return len(self._pages)
-
     def close(self) -> None:
         with self._lock:
             pages, self._pages, self._closed = self._pages, {}, True

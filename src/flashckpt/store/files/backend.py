@@ -117,19 +117,9 @@ class LocalBackend:
         return self.root / check_relpath(path)
 
     def put(self, path: str, parts: Sequence[Buffer]) -> int:
-        """Write ``path`` (a temporary name, fsync, rename). Into a recycled file of the same
-        size when the pool holds one (:meth:`recycle`): no inode or block is allocated, and
-        ``fdatasync`` suffices. A disk that is full (``ENOSPC``) gets the pool's files back
-        once, and the write is tried again."""
-        try:
-            return self._put(path, parts)
-        except StorageError as exc:
-            cause = exc.__cause__
-            if not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
-                raise
-            if self._pool.drain() <= 0:
-                raise
-            return self._put(path, parts)
+        """Write ``path`` (a temporary name, fsync, rename); over a recycled file when the pool
+        has one, and a full disk gets the pool back (FreePool.open_write, .when_full)."""
+        return self._pool.when_full(lambda: self._put(path, parts))
 
     def _put(self, path: str, parts: Sequence[Buffer]) -> int:
         head, _, name = check_relpath(path).rpartition("/")
@@ -141,14 +131,7 @@ class LocalBackend:
         except OSError as exc:
             raise _storage_error("write", self._abs(path), exc) from exc
         try:
-            fd = None
-            if self.recycle_bytes:
-                size = sum(memoryview(p).nbytes for p in parts)
-                fd = self._pool.take(size, dfd, tmp, head=head)
-            recycled = fd is not None
-            if fd is None:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
+            fd, recycled = self._pool.open_write(dfd, tmp, head, parts)
             try:
                 res = write_parts(fd, parts, direct=self.direct_io)
                 with self._stats_lock:
@@ -183,9 +166,8 @@ class LocalBackend:
         may be in another directory of this backend (:meth:`StagedFile.publish`), or dropped
         (:meth:`StagedFile.abort`). The save path writes a chunk this way when its name (the
         hash of its bytes) is known only once its bytes are written: one pass over them.
-        With ``size``, a recycled file of exactly that size is taken when the pool has one
-        (:meth:`recycle`): its pages are resident already, and the bytes are copied into them
-        at memory speed instead of being allocated page by page."""
+        With ``size``, a recycled file of that size when the pool has one (:meth:`recycle`):
+        its pages are resident, so bytes are copied in at memory speed, not page by page."""
         try:
             dfd = safeopen.open_dir(self.root, head, create=True)
         except StorageError:

@@ -49,16 +49,13 @@ class FreePool:
         self._no_leases = False  # the filesystem refused a lease: nothing is pooled
 
     def recycle(self, path: str) -> int:
-        """Instead of deleting the chunk file ``path``, keep it for a later write of the same
-        size: it is moved, under no name a reader looks for, into :data:`FREE_DIR` while the
-        pool holds less than ``recycle_bytes``. Returns its size, or -1 when it was not kept
-        (the caller deletes it). A memory filesystem allocates every new page one by one (on
-        the 2-core CI VM: 256 MiB written into a new tmpfs file 113 ms, copied into a recycled
-        one 25 ms, a memcpy 23 ms); a disk allocates an inode and blocks for a new file and
-        frees them for a deleted one (50 files of 5 MiB: 375 ms new, 200 ms over recycled
-        ones, benchmarks/file_churn.py). A recycled file is reused only once nobody else has
-        it open (a write lease): a reader that opened the chunk before gc moved it keeps its
-        bytes, and after the move nobody finds it."""
+        """Keep the chunk file ``path`` for a later write of the same size instead of deleting
+        it: moved, under no name a reader looks for, into :data:`FREE_DIR` while the pool
+        holds less than ``recycle_bytes``; its size, or -1 when not kept (the caller deletes
+        it). On the 2-core CI VM 256 MiB took 113 ms into a new tmpfs file, 25 ms into a
+        recycled one; 50 files of 5 MiB on ext4 375 ms new, 200 ms recycled (file_churn.py).
+        It is reused only once nobody else has it open (a write lease): a reader that opened
+        the chunk before gc moved it keeps its bytes, and after the move nobody finds it."""
         if not self._pooling():
             return -1
         head, _, name = check_relpath(path).rpartition("/")
@@ -110,6 +107,28 @@ class FreePool:
         finally:
             for fd in dst:
                 os.close(fd)
+
+    def open_write(self, dfd: int, name: str, head: str, parts: Any) -> tuple[int, bool]:
+        """``name`` in ``dfd`` (the directory ``head``) opened to write ``parts``: a recycled
+        file of their size (True: its size and blocks are durable, ``fdatasync`` suffices)
+        when the pool holds one, else a new, empty file (False)."""
+        if self._pooling():
+            fd = self.take(sum(memoryview(p).nbytes for p in parts), dfd, name, head=head)
+            if fd is not None:
+                return fd, True
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        return os.open(name, flags, 0o644, dir_fd=dfd), False
+
+    def when_full(self, write: Callable[[], int]) -> int:
+        """``write()``; when it fails because the filesystem is full (``ENOSPC``) and the pool
+        held files, they are deleted and ``write()`` is tried once more."""
+        try:
+            return write()
+        except StorageError as exc:
+            full = isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ENOSPC
+            if not full or self.drain() <= 0:  # (drained only when the disk is full)
+                raise
+            return write()
 
     def drain(self) -> int:
         """Delete every recycled file (a clean close leaves none); the bytes freed."""
@@ -221,11 +240,10 @@ class StagedFile:
         return self._dst[: self.written]
 
     def keep_pages(self) -> Pages | None:
-        """Keep this recycled file's mapping past :meth:`publish`: the pages of the chunk as
-        written, for a copy to a slower tier without mapping and reading the file again
-        (engine/tiers/tiercopy.py). None when the file is not mapped. The caller closes them.
-        While they are mapped the file stays open for writing, so its write lease cannot be
-        taken: the pool never refills these pages under them (:func:`_open_recycled`)."""
+        """Keep this recycled file's mapping past :meth:`publish` (None: not mapped), for a
+        copy to a slower tier that reads nothing again (engine/tiers/tiercopy.py); the caller
+        closes it. While mapped the file is open for writing, so no write lease can be taken
+        and the pool never refills these pages (:func:`_open_recycled`)."""
         if self._map is None:
             return None
         pages = Pages(self._map, self.written)
@@ -320,9 +338,8 @@ class StagedFile:
 
 
 class Pages:
-    """The mapped pages of one published chunk (:meth:`StagedFile.keep_pages`): ``buffer`` is
-    its ``size`` bytes (page-aligned, so a disk tier writes them with O_DIRECT as they are).
-    :meth:`close` unmaps them (idempotent; a view still alive keeps them until it dies)."""
+    """The mapped pages of a published chunk (:meth:`StagedFile.keep_pages`): ``buffer``, its
+    ``size`` bytes (page-aligned: O_DIRECT takes them); ``close`` unmaps them, idempotent."""
 
     def __init__(self, m: mmap.mmap, size: int) -> None:
         self._map: mmap.mmap | None = m
